@@ -1,0 +1,298 @@
+"""Closed-loop load test for the genqueue HTTP API.
+
+Run it headless against a running stack (``docker compose up`` or ``make run``)::
+
+    locust -f locustfile.py --headless -u 10 -r 10 -t 60s --host http://127.0.0.1:8000
+
+Pick user classes by naming them after the options (default: all of them)::
+
+    locust -f locustfile.py --headless -u 8 -r 8 -t 60s \\
+        --host http://127.0.0.1:8000 JobsUser
+
+User classes
+------------
+``JobsUser``
+    ``POST /v1/jobs`` then long-polls ``GET /v1/jobs/<id>?wait=30`` until the job
+    reaches a terminal status; anything but ``succeeded`` is a failure.  Every
+    poll is reported under one name (``/v1/jobs/[id]?wait``) and each whole job
+    is also reported as a ``JOB`` entry named ``/v1/jobs (end-to-end)`` whose
+    response time is submit-to-terminal latency.
+``BasicGenerateUser``
+    ``POST /basic_generate``; ``generated_text`` must start with the prompt.
+``BatchGenerateUser``
+    ``POST /generate`` with a few prompts; ``generated_texts`` must hold one
+    text per prompt, each starting with its prompt.
+
+Every user waits ``constant(0)`` between tasks (closed loop: each user has at
+most one request in flight).  A 429 (queue full) is reported as a failure named
+``429 Too Many Requests (queue full)`` and the user then sleeps for the
+response's ``Retry-After`` seconds (capped) before carrying on.
+
+Environment
+-----------
+``GENQ_LOCUST_MAX_NEW_TOKENS``  max_new_tokens sent with /v1/jobs (default 32)
+``GENQ_LOCUST_MODEL``           model name sent with /v1/jobs (default: none,
+                                i.e. the server's default model)
+``GENQ_LOCUST_POLL_WAIT``       ``wait=`` seconds for each poll (default 30)
+``GENQ_LOCUST_JOB_TIMEOUT``     give up on a job after this many seconds (default 600)
+``GENQ_LOCUST_REQUEST_TIMEOUT`` HTTP timeout for the blocking endpoints (default 300)
+``GENQ_LOCUST_MAX_RETRY_AFTER`` cap on the Retry-After sleep in seconds (default 30)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from email.utils import parsedate_to_datetime
+
+from locust import HttpUser, constant, task
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "Once upon a time,",
+    "The quick brown fox",
+    "In the year 2050, computers will",
+    "My favourite recipe for soup is",
+    "The best way to learn a language is",
+    "Redis is a",
+]
+
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+
+QUEUE_FULL_FAILURE = "429 Too Many Requests (queue full)"
+
+JOB_SUBMIT_NAME = "/v1/jobs"
+JOB_POLL_NAME = "/v1/jobs/[id]?wait"
+JOB_E2E_NAME = "/v1/jobs (end-to-end)"
+JOB_E2E_TYPE = "JOB"
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise SystemExit(f"{name} must be a number, got {raw!r}") from None
+
+
+MAX_NEW_TOKENS = _env_int("GENQ_LOCUST_MAX_NEW_TOKENS", 32)
+MODEL = os.environ.get("GENQ_LOCUST_MODEL", "").strip() or None
+POLL_WAIT = _env_float("GENQ_LOCUST_POLL_WAIT", 30.0)
+JOB_TIMEOUT = _env_float("GENQ_LOCUST_JOB_TIMEOUT", 600.0)
+REQUEST_TIMEOUT = _env_float("GENQ_LOCUST_REQUEST_TIMEOUT", 300.0)
+MAX_RETRY_AFTER = _env_float("GENQ_LOCUST_MAX_RETRY_AFTER", 30.0)
+DEFAULT_RETRY_AFTER = 1.0
+
+
+def _sleep(seconds: float) -> None:
+    # Locust monkey-patches time.sleep with gevent's, so this yields to other users.
+    time.sleep(seconds)
+
+
+def retry_after_seconds(headers) -> float:
+    """Seconds to back off after a 429, from Retry-After (delta-seconds or HTTP-date)."""
+    raw = (headers or {}).get("Retry-After")
+    seconds = DEFAULT_RETRY_AFTER
+    if raw:
+        raw = str(raw).strip()
+        try:
+            seconds = float(raw)
+        except ValueError:
+            try:
+                seconds = parsedate_to_datetime(raw).timestamp() - time.time()
+            except (TypeError, ValueError, OverflowError):
+                seconds = DEFAULT_RETRY_AFTER
+    return max(0.0, min(seconds, MAX_RETRY_AFTER))
+
+
+def _json(resp):
+    try:
+        return resp.json()
+    except Exception:  # noqa: BLE001 - any decode problem is a failed request
+        return None
+
+
+class _GenqUser(HttpUser):
+    """Shared helpers; abstract so locust does not spawn it."""
+
+    abstract = True
+    wait_time = constant(0)
+
+    def _handle_queue_full(self, resp) -> bool:
+        """Mark a 429 as a clearly named failure and back off. True if it was one."""
+        if resp.status_code != 429:
+            return False
+        resp.failure(QUEUE_FULL_FAILURE)
+        self._backoff = retry_after_seconds(resp.headers)
+        return True
+
+    def _pause_if_backing_off(self) -> None:
+        delay = getattr(self, "_backoff", 0.0)
+        self._backoff = 0.0
+        if delay > 0:
+            _sleep(delay)
+
+
+class JobsUser(_GenqUser):
+    """Submit a job, then long-poll it until it finishes."""
+
+    weight = 1
+
+    def _report_job(self, started: float, exception: Exception | None, length: int = 0) -> None:
+        self.environment.events.request.fire(
+            request_type=JOB_E2E_TYPE,
+            name=JOB_E2E_NAME,
+            response_time=(time.perf_counter() - started) * 1000.0,
+            response_length=length,
+            response=None,
+            context={},
+            exception=exception,
+        )
+
+    @task
+    def submit_and_wait(self) -> None:
+        prompt = random.choice(PROMPTS)
+        body: dict = {"prompt": prompt, "max_new_tokens": MAX_NEW_TOKENS}
+        if MODEL:
+            body["model"] = MODEL
+
+        started = time.perf_counter()
+        job_id = None
+        with self.client.post(
+            "/v1/jobs", json=body, name=JOB_SUBMIT_NAME, catch_response=True, timeout=REQUEST_TIMEOUT
+        ) as resp:
+            if self._handle_queue_full(resp):
+                pass
+            elif resp.status_code != 202:
+                resp.failure(f"submit: expected 202, got {resp.status_code}")
+            else:
+                data = _json(resp)
+                job_id = data.get("id") if isinstance(data, dict) else None
+                if not job_id:
+                    resp.failure("submit: 202 without a job id")
+                else:
+                    resp.success()
+        if job_id is None:
+            self._pause_if_backing_off()
+            return
+
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._report_job(started, TimeoutError(f"job not finished after {JOB_TIMEOUT:g}s"))
+                return
+            wait = max(0.0, min(POLL_WAIT, remaining))
+            status = None
+            data = None
+            with self.client.get(
+                f"/v1/jobs/{job_id}",
+                params={"wait": f"{wait:g}"},
+                name=JOB_POLL_NAME,
+                catch_response=True,
+                timeout=wait + REQUEST_TIMEOUT,
+            ) as resp:
+                if self._handle_queue_full(resp):
+                    pass
+                elif resp.status_code != 200:
+                    resp.failure(f"poll: expected 200, got {resp.status_code}")
+                else:
+                    data = _json(resp)
+                    status = data.get("status") if isinstance(data, dict) else None
+                    if status is None:
+                        resp.failure("poll: response has no status")
+                    elif status in TERMINAL_STATUSES and status != "succeeded":
+                        resp.failure(f"job {status}")
+                    elif status == "succeeded" and not isinstance((data.get("result") or {}).get("text"), str):
+                        resp.failure("job succeeded without result.text")
+                        status = "invalid"
+                    else:
+                        resp.success()
+
+            if status == "succeeded":
+                text = data["result"]["text"]
+                self._report_job(started, None, len(text))
+                return
+            if status is None or status in TERMINAL_STATUSES or status == "invalid":
+                # Unusable poll or a terminal non-success: the job as a whole failed.
+                self._report_job(started, RuntimeError(f"job ended {status or 'with a failed poll'}"))
+                self._pause_if_backing_off()
+                return
+            # queued / running: the long-poll timed out, poll again.
+
+
+class BasicGenerateUser(_GenqUser):
+    """The synchronous single-prompt endpoint."""
+
+    weight = 1
+
+    @task
+    def basic_generate(self) -> None:
+        prompt = random.choice(PROMPTS)
+        with self.client.post(
+            "/basic_generate",
+            json={"prompt": prompt},
+            name="/basic_generate",
+            catch_response=True,
+            timeout=REQUEST_TIMEOUT,
+        ) as resp:
+            if self._handle_queue_full(resp):
+                pass
+            elif resp.status_code != 200:
+                resp.failure(f"expected 200, got {resp.status_code}")
+            else:
+                data = _json(resp)
+                text = data.get("generated_text") if isinstance(data, dict) else None
+                if not isinstance(text, str):
+                    resp.failure("no generated_text in response")
+                elif not text.startswith(prompt):
+                    resp.failure("generated_text does not start with the prompt")
+                else:
+                    resp.success()
+        self._pause_if_backing_off()
+
+
+class BatchGenerateUser(_GenqUser):
+    """The synchronous multi-prompt endpoint."""
+
+    weight = 1
+    batch_size = 3
+
+    @task
+    def generate(self) -> None:
+        prompts = random.sample(PROMPTS, self.batch_size)
+        with self.client.post(
+            "/generate",
+            json={"prompts": prompts},
+            name="/generate",
+            catch_response=True,
+            timeout=REQUEST_TIMEOUT,
+        ) as resp:
+            if self._handle_queue_full(resp):
+                pass
+            elif resp.status_code != 200:
+                resp.failure(f"expected 200, got {resp.status_code}")
+            else:
+                data = _json(resp)
+                texts = data.get("generated_texts") if isinstance(data, dict) else None
+                if not isinstance(texts, list) or len(texts) != len(prompts):
+                    resp.failure("generated_texts missing or of the wrong length")
+                elif not all(isinstance(t, str) and t.startswith(p) for p, t in zip(prompts, texts)):
+                    resp.failure("a generated_texts entry does not start with its prompt")
+                else:
+                    resp.success()
+        self._pause_if_backing_off()

@@ -1,0 +1,151 @@
+"""Job records in Redis: one hash per job id, written by the API and advanced by workers.
+
+Celery calls every id it has never seen PENDING; this record is what makes an unknown id a
+404, and it carries status, timings and errors. The result itself lives in Celery's result
+backend. Status changes go through one Lua script so that, for example, a job cancelled while
+queued is never marked running by the worker that picks it up afterwards. A final status also
+writes a one-entry stream `genq:done:<id>`, which any number of waiters block on with XREAD.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from tasks import keys
+from tasks.schemas import JobSpec, JobStatus
+
+_TRANSITION = """
+local cur = redis.call('HGET', KEYS[1], 'status')
+if not cur then return false end
+local allowed = false
+for s in string.gmatch(ARGV[2], '[^,]+') do
+  if s == cur then allowed = true end
+end
+if not allowed then return {0, cur} end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], unpack(ARGV, 5))
+if ARGV[4] == '1' then
+  redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+end
+if ARGV[3] ~= '' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'status', ARGV[1])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+end
+return {1, cur}
+"""
+
+ACTIVE = (JobStatus.queued, JobStatus.running)
+MAX_BLOCK_S = 3.0
+
+
+class JobStore:
+    def __init__(self, client: redis.Redis, ttl: int):
+        self.r = client
+        self.ttl = ttl
+        self._transition = client.register_script(_TRANSITION)
+
+    def create(self, spec: JobSpec) -> None:
+        key = keys.job(spec.id)
+        fields = {
+            "id": spec.id,
+            "model": spec.model,
+            "status": JobStatus.queued.value,
+            "created": repr(time.time()),
+            "params": spec.params.model_dump_json(exclude_defaults=True),
+            "attempts": 0,
+        }
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(key, mapping=fields)
+        pipe.expire(key, self.ttl)
+        pipe.execute()
+
+    def get(self, job_id: str) -> dict[str, str] | None:
+        rec = self.r.hgetall(keys.job(job_id))
+        return rec or None
+
+    def transition(
+        self, job_id: str, to: JobStatus, allowed: tuple[JobStatus, ...], **fields: Any
+    ) -> tuple[bool, JobStatus | None]:
+        """Move a job to `to` if its status is one of `allowed`; return (moved, previous)."""
+        flat: list[str] = []
+        for k, v in fields.items():
+            flat += [k, v if isinstance(v, str) else json.dumps(v)]
+        res = self._transition(
+            keys=[keys.job(job_id), keys.done(job_id)],
+            args=[
+                to.value,
+                ",".join(s.value for s in allowed),
+                str(self.ttl) if to.terminal else "",
+                "1" if to is JobStatus.running else "0",
+                *flat,
+            ],
+        )
+        if res is None:
+            return False, None
+        moved, prev = res
+        return bool(moved), JobStatus(prev.decode() if isinstance(prev, bytes) else prev)
+
+    def mark_running(self, job_id: str, worker: str) -> tuple[bool, JobStatus | None]:
+        # `running` is allowed as a source: a job redelivered after its worker died runs again.
+        return self.transition(
+            job_id, JobStatus.running, ACTIVE, started=repr(time.time()), worker=worker
+        )
+
+    def finish(
+        self, job_id: str, status: JobStatus, error: dict[str, str] | None = None
+    ) -> tuple[bool, JobStatus | None]:
+        fields: dict[str, Any] = {"finished": repr(time.time())}
+        if error:
+            fields["error"] = error
+        return self.transition(job_id, status, ACTIVE, **fields)
+
+    def cancel(self, job_id: str) -> tuple[bool, JobStatus | None]:
+        return self.finish(
+            job_id, JobStatus.cancelled, {"code": "cancelled", "message": "cancelled by the client"}
+        )
+
+    def wait(self, job_id: str, timeout: float) -> dict[str, str] | None:
+        """The job's record once it is final, or as it stands when `timeout` runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            rec = self.get(job_id)
+            if rec is None or JobStatus(rec["status"]).terminal:
+                return rec
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return rec
+            # An entry in the done stream means the record is final: read it again. Each block
+            # stays below the client's socket timeout (redis-py's default is 5 s).
+            block_ms = max(1, int(min(left, MAX_BLOCK_S) * 1000))
+            self.r.xread({keys.done(job_id): "0"}, block=block_ms, count=1)
+
+
+def decode_record(rec: dict[str, str]) -> dict[str, Any]:
+    """The public view of a record: status, error and timings."""
+
+    def ts(name: str) -> float | None:
+        return float(rec[name]) if rec.get(name) else None
+
+    created, started, finished = ts("created"), ts("started"), ts("finished")
+    timings: dict[str, float | None] = {"created": created, "started": started, "finished": finished}
+    if started is not None:
+        timings["queued_s"] = round(started - created, 6)
+    if finished is not None:
+        timings["total_s"] = round(finished - created, 6)
+        if started is not None:
+            timings["run_s"] = round(finished - started, 6)
+    out: dict[str, Any] = {
+        "id": rec["id"],
+        "model": rec["model"],
+        "status": rec["status"],
+        "attempts": int(rec.get("attempts", 0)),
+        "timings": timings,
+    }
+    if rec.get("worker"):
+        out["worker"] = rec["worker"]
+    if rec.get("error"):
+        out["error"] = json.loads(rec["error"])
+    return out

@@ -1,0 +1,149 @@
+"""Fixtures that start real components: Redis, Celery workers, the API under gunicorn.
+
+Each stack gets a served-model name of its own, hence queues of its own, so tests never see
+each other's jobs even on a shared Redis. Every process a fixture starts, it stops; the session
+fails if any child process is still alive at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts import stack  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    url = os.environ.get("REDIS_URL")
+    if stack.redis_answers(url):
+        yield url
+        return
+    server = stack.PrivateRedis()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from worker import devmodels
+
+    return devmodels.ensure("tiny", stack.TINY_MODEL_DIR)
+
+
+class Stack:
+    """One API and any number of workers serving one model name."""
+
+    def __init__(self, redis_url: str, model: Path, logs: Path, **env: str):
+        self.name = f"test-{uuid.uuid4().hex[:8]}"
+        self.port = stack.free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.logs = logs
+        self.env = {
+            "REDIS_URL": redis_url,
+            "GENQ_MODEL": str(model),
+            "GENQ_MODEL_NAME": self.name,
+            "GENQ_PORT": str(self.port),
+            "GENQ_HOST": "127.0.0.1",
+            "GENQ_API_WORKERS": "1",
+            "GENQ_HEARTBEAT_INTERVAL": "0.5",
+            "GENQ_HEARTBEAT_TTL": "3",
+            **env,
+        }
+        self.procs: list[stack.Proc] = []
+        self.http = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_maxsize=64)
+        self.http.mount("http://", adapter)
+
+    def start_api(self) -> stack.Proc:
+        proc = stack.Proc("api", stack.api_argv(), self.env, self.logs / f"{self.name}-api.log")
+        self.procs.append(proc)
+        stack.wait_until(lambda: self.get("/healthz").status_code == 200, 30, "the API", [proc])
+        return proc
+
+    def start_worker(self, **env: str) -> stack.Proc:
+        n = sum(p.name.startswith("worker") for p in self.procs)
+        proc = stack.Proc(
+            f"worker{n}", stack.worker_argv(), {**self.env, **env}, self.logs / f"{self.name}-worker{n}.log"
+        )
+        self.procs.append(proc)
+        return proc
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        stack.wait_until(lambda: self.get("/readyz").status_code == 200, timeout, "readiness", self.procs)
+
+    def get(self, path: str, **kw) -> requests.Response:
+        return self.http.get(self.base + path, timeout=kw.pop("timeout", 60), **kw)
+
+    def post(self, path: str, json=None, **kw) -> requests.Response:
+        return self.http.post(self.base + path, json=json, timeout=kw.pop("timeout", 120), **kw)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.http.close()
+
+
+@pytest.fixture(scope="session")
+def make_stack(redis_url, tiny_model, tmp_path_factory):
+    stacks: list[Stack] = []
+    logs = tmp_path_factory.mktemp("logs")
+
+    def _make(**env: str) -> Stack:
+        s = Stack(redis_url, tiny_model, logs, **env)
+        stacks.append(s)
+        return s
+
+    yield _make
+    for s in stacks:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_stack(make_stack) -> Stack:
+    """The tiny model behind one hf worker and the API, shared by the end-to-end tests."""
+    s = make_stack(GENQ_MAX_BATCH_SIZE="16")
+    s.start_api()
+    s.start_worker()
+    s.wait_ready()
+    return s
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    """Greedy completions from a direct `model.generate` call, one prompt at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+
+    def complete(prompt: str, max_new_tokens: int) -> str:
+        enc = tok(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+        return tok.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
+
+    return complete
+
+
+def pytest_sessionfinish(session, exitstatus):
+    left = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+    if left:
+        for p in left:
+            try:
+                print(f"\nleft running: {p.pid} {' '.join(p.cmdline())[:150]}", file=sys.stderr)
+            except psutil.Error:
+                pass
+            p.kill()
+        session.exitstatus = 1

@@ -1,0 +1,170 @@
+"""The API's own behaviour, in process against a real Redis, with no worker serving its model:
+validation, error format, 404s, backpressure, cancellation of queued jobs, readiness."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tasks.config import Settings, queue_for
+from webapp import create_app
+
+
+@pytest.fixture
+def client(redis_url):
+    settings = Settings(
+        redis_url=redis_url,
+        model=f"nobody-{uuid.uuid4().hex[:8]}",
+        max_new_tokens_limit=256,
+        max_prompt_chars=1000,
+        max_body_bytes=4096,
+        max_queue_depth=3,
+    )
+    app = create_app(settings)
+    app.testing = True
+    with app.test_client() as c:
+        yield c
+    # Nobody consumes this model's queue: drop what the test left in it.
+    app.extensions["genq"].r.delete(queue_for(settings.served_model))
+
+
+def assert_error(resp, status: int, code: str | None = None):
+    assert resp.status_code == status, resp.get_data(as_text=True)
+    assert resp.is_json
+    err = resp.get_json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    if code:
+        assert err["code"] == code
+    return err
+
+
+def test_healthz(client):
+    assert client.get("/healthz").get_json() == {"status": "ok"}
+
+
+def test_readyz_without_worker_is_503_with_reason(client):
+    err = assert_error(client.get("/readyz"), 503, "not_ready")
+    assert "no live worker" in err["message"]
+
+
+def test_submit_returns_202_with_location_and_job_is_queued(client):
+    resp = client.post("/v1/jobs", json={"prompt": "Hello", "max_new_tokens": 4})
+    assert resp.status_code == 202
+    body = resp.get_json()
+    assert body["status"] == "queued"
+    assert resp.headers["Location"] == f"/v1/jobs/{body['id']}"
+    job = client.get(resp.headers["Location"]).get_json()
+    assert job["id"] == body["id"] and job["status"] == "queued"
+    assert job["timings"]["created"] > 0 and job["timings"]["started"] is None
+    assert "result" not in job
+
+
+def test_wait_on_a_queued_job_returns_it_still_queued(client):
+    job_id = client.post("/v1/jobs", json={"prompt": "Hello"}).get_json()["id"]
+    job = client.get(f"/v1/jobs/{job_id}?wait=0.3").get_json()
+    assert job["status"] == "queued"
+
+
+def test_unknown_job_is_404(client):
+    assert_error(client.get(f"/v1/jobs/{uuid.uuid4()}"), 404, "not_found")
+    assert_error(client.post(f"/v1/jobs/{uuid.uuid4()}/cancel"), 404, "not_found")
+
+
+@pytest.mark.parametrize("wait", ["abc", "-1", "100000", "nan"])
+def test_bad_wait_is_400(client, wait):
+    job_id = client.post("/v1/jobs", json={"prompt": "Hello"}).get_json()["id"]
+    assert_error(client.get(f"/v1/jobs/{job_id}?wait={wait}"), 400, "invalid_request")
+
+
+BAD_JOB_BODIES = [
+    ("{bad json", "invalid_json"),
+    ("", "invalid_request"),
+    ("[1, 2]", "invalid_request"),
+    ("{}", "invalid_request"),
+    ('{"prompt": ""}', "invalid_request"),
+    ('{"prompt": 5}', "invalid_request"),
+    ('{"prompt": null}', "invalid_request"),
+    ('{"prompt": "x", "unknown": 1}', "invalid_request"),
+    ('{"prompt": "x", "max_new_tokens": 0}', "invalid_request"),
+    ('{"prompt": "x", "max_new_tokens": 257}', "invalid_request"),
+    ('{"prompt": "x", "max_new_tokens": "5"}', "invalid_request"),
+    ('{"prompt": "x", "max_new_tokens": 1.5}', "invalid_request"),
+    ('{"prompt": "x", "temperature": -1}', "invalid_request"),
+    ('{"prompt": "x", "temperature": "hot"}', "invalid_request"),
+    ('{"prompt": "x", "top_p": 0}', "invalid_request"),
+    ('{"prompt": "x", "top_k": -1}', "invalid_request"),
+    ('{"prompt": "x", "seed": -3}', "invalid_request"),
+    ('{"prompt": "x", "stop": [""]}', "invalid_request"),
+    ('{"prompt": "x", "stop": 3}', "invalid_request"),
+    ('{"prompt": "x", "model": ""}', "invalid_request"),
+    ('{"prompt": "' + "y" * 1001 + '"}', "prompt_too_long"),
+]
+
+
+@pytest.mark.parametrize("body,code", BAD_JOB_BODIES)
+def test_bad_job_bodies_are_4xx_json(client, body, code):
+    resp = client.post("/v1/jobs", data=body, content_type="application/json")
+    assert_error(resp, 400, code)
+    # The server keeps serving after every bad request.
+    assert client.get("/healthz").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/basic_generate", "{"),
+        ("/basic_generate", '{"prompt": ""}'),
+        ("/basic_generate", '{"prompts": ["a"]}'),
+        ("/basic_generate", '{"prompt": ["a"]}'),
+        ("/generate", '{"prompts": "a"}'),
+        ("/generate", '{"prompts": [1]}'),
+        ("/generate", '{"prompts": [""]}'),
+        ("/generate", '{"prompt": "a"}'),
+        ("/generate", '{"prompts": ["a"], "max_new_tokens": 100000}'),
+    ],
+)
+def test_bad_teaching_bodies_are_400(client, path, body):
+    assert_error(client.post(path, data=body, content_type="application/json"), 400)
+
+
+def test_body_too_large_is_413_json(client):
+    resp = client.post("/v1/jobs", data='{"prompt": "' + "z" * 5000 + '"}', content_type="application/json")
+    assert_error(resp, 413)
+
+
+def test_wrong_method_and_unknown_path_are_json(client):
+    assert_error(client.get("/v1/jobs"), 405)
+    assert_error(client.get("/nowhere"), 404)
+
+
+def test_blocking_call_without_worker_is_503_at_once(client):
+    err = assert_error(client.post("/basic_generate", json={"prompt": "Hello"}), 503, "no_worker")
+    assert "no live worker" in err["message"]
+    assert_error(client.post("/generate", json={"prompts": ["a", "b"]}), 503, "no_worker")
+
+
+def test_empty_prompt_list_gives_empty_list(client):
+    resp = client.post("/generate", json={"prompts": []})
+    assert resp.status_code == 200 and resp.get_json() == {"generated_texts": []}
+
+
+def test_unserved_model_is_404(client):
+    resp = client.post("/v1/jobs", json={"prompt": "Hello", "model": "not-a-model"})
+    assert_error(resp, 404, "model_not_found")
+
+
+def test_full_queue_answers_429_with_retry_after(client):
+    for _ in range(3):
+        assert client.post("/v1/jobs", json={"prompt": "Hello"}).status_code == 202
+    resp = client.post("/v1/jobs", json={"prompt": "Hello"})
+    assert_error(resp, 429, "queue_full")
+    assert int(resp.headers["Retry-After"]) >= 1
+
+
+def test_cancel_a_queued_job(client):
+    job_id = client.post("/v1/jobs", json={"prompt": "Hello"}).get_json()["id"]
+    resp = client.post(f"/v1/jobs/{job_id}/cancel")
+    assert resp.status_code == 200 and resp.get_json()["status"] == "cancelled"
+    assert client.get(f"/v1/jobs/{job_id}").get_json()["status"] == "cancelled"
+    assert_error(client.post(f"/v1/jobs/{job_id}/cancel"), 409, "already_final")

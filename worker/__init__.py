@@ -1,0 +1,1 @@
+"""The worker runtime: engines, model loading, the Celery task and its signals."""

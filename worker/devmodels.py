@@ -1,0 +1,500 @@
+"""Offline development checkpoints: random-weight OPT models with a locally trained tokenizer.
+
+No model hub is needed.  ``build()`` writes a directory that loads exactly like a Hugging Face
+hub checkpoint::
+
+    AutoTokenizer.from_pretrained(path)
+    AutoModelForCausalLM.from_pretrained(path)
+
+The model is the real OPT architecture (``OPTConfig`` / ``OPTForCausalLM``) with the library's
+standard random initialisation (``init_std`` 0.02), saved as float32 safetensors.  The weights
+depend only on the shape and the seed: the same seed gives a byte-identical
+``model.safetensors``.
+
+The tokenizer is a byte-level BPE like GPT-2/OPT, trained with the ``tokenizers`` library on the
+``.py`` sources of the running interpreter's standard library (read in sorted order, so the
+tokenizer is the same for a given Python version).  It copies OPT's special tokens: ``<s>``=0,
+``<pad>``=1, ``</s>``=2, ``<unk>``=3.  As in OPT, ``bos_token``, ``eos_token`` and ``unk_token``
+are all ``</s>`` (id 2), ``pad_token`` is ``<pad>`` (id 1), and every encoded text starts with
+``</s>``.  Byte-level BPE can encode any text, so ``decode(..., skip_special_tokens=True)``
+gives back the text.
+
+The outputs are gibberish (the weights are random); these checkpoints exist to exercise
+loading, batching, streaming and the serving path without downloading anything.
+
+Command line::
+
+    python -m worker.devmodels --shape tiny|opt-125m --out DIR [--seed 0] [--force]
+
+If DIR already holds a complete checkpoint built by this module with the same shape, seed and
+format version (see the ``genq-devmodel.json`` marker), nothing is done unless ``--force``.  A
+build is written to a temporary directory beside DIR and renamed into place at the end, so an
+interrupted build never leaves a half-written checkpoint.  An existing non-empty DIR that was not
+built by this module is never replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+__all__ = [
+    "SHAPES",
+    "TOKENIZER_VOCAB",
+    "SPECIAL_TOKENS",
+    "MARKER_NAME",
+    "FORMAT_VERSION",
+    "build",
+    "ensure",
+    "is_built",
+    "main",
+]
+
+#: Bump when the on-disk layout or the recipe changes: existing checkpoints are then rebuilt.
+FORMAT_VERSION = 1
+
+#: Marker file written (last) into every checkpoint built here.
+MARKER_NAME = "genq-devmodel.json"
+
+#: OPT's special tokens, in id order: ``<s>``=0, ``<pad>``=1, ``</s>``=2, ``<unk>``=3.
+SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")
+PAD_TOKEN_ID = 1
+BOS_TOKEN_ID = 2
+EOS_TOKEN_ID = 2
+
+# Settings shared by every shape; these are facebook/opt-125m's values.
+_OPT_COMMON: dict[str, Any] = {
+    "activation_function": "relu",
+    "do_layer_norm_before": True,
+    "enable_bias": True,
+    "layer_norm_elementwise_affine": True,
+    "tie_word_embeddings": True,
+    "dropout": 0.1,
+    "attention_dropout": 0.0,
+    "layerdrop": 0.0,
+    "init_std": 0.02,
+    "use_cache": True,
+    "pad_token_id": PAD_TOKEN_ID,
+    "bos_token_id": BOS_TOKEN_ID,
+    "eos_token_id": EOS_TOKEN_ID,
+}
+
+#: ``OPTConfig`` keyword arguments for each shape.
+SHAPES: dict[str, dict[str, Any]] = {
+    # Fast CPU tests: ~1M parameters (4 MB); head size 32 (vLLM's CPU backend needs >= 32).
+    "tiny": {
+        **_OPT_COMMON,
+        "vocab_size": 4096,
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "ffn_dim": 512,
+        "max_position_embeddings": 512,
+        "word_embed_proj_dim": 128,
+    },
+    # Exactly facebook/opt-125m's shape.
+    "opt-125m": {
+        **_OPT_COMMON,
+        "vocab_size": 50272,
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "ffn_dim": 3072,
+        "max_position_embeddings": 2048,
+        "word_embed_proj_dim": 768,
+    },
+}
+
+#: Size the tokenizer is trained toward (special tokens included).  It can end smaller when the
+#: corpus runs out of pairs to merge; the model's ``vocab_size`` is always at least this large
+#: (as in OPT, whose tokenizer has 50265 entries and whose model has 50272 rows).
+TOKENIZER_VOCAB: dict[str, int] = {"tiny": 4000, "opt-125m": 50265}
+
+# Cap on training text per shape (characters).  The whole 3.11 stdlib is ~12.6M characters and
+# trains the 50k tokenizer in a few seconds.
+_CORPUS_CHARS: dict[str, int] = {"tiny": 2_000_000, "opt-125m": 16_000_000}
+
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    MARKER_NAME,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def build(shape: str, out: str | os.PathLike[str], seed: int = 0, force: bool = False) -> Path:
+    """Build a ``shape`` checkpoint into ``out`` and return its absolute path.
+
+    Does nothing if ``out`` already holds a complete checkpoint of the same shape, seed and
+    format version, unless ``force``.  A checkpoint of another shape/seed built by this module
+    is replaced.  A non-empty directory that this module did not build raises
+    ``FileExistsError`` (even with ``force``), so a mistyped ``out`` cannot delete anything else.
+    """
+    return _build(shape, out, seed, force)[0]
+
+
+def ensure(shape: str, out: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Return ``out``, building the checkpoint first only if it is missing or different."""
+    return build(shape, out, seed=seed, force=False)
+
+
+def is_built(out: str | os.PathLike[str], shape: str, seed: int = 0) -> bool:
+    """True if ``out`` holds a complete checkpoint of ``shape``/``seed`` from this version."""
+    out = Path(out)
+    marker = _read_marker(out)
+    if marker is None:
+        return False
+    return (
+        marker.get("format_version") == FORMAT_VERSION
+        and marker.get("shape") == shape
+        and marker.get("seed") == seed
+        and marker.get("config") == _jsonable(SHAPES.get(shape))
+        and marker.get("tokenizer_target_vocab") == TOKENIZER_VOCAB.get(shape)
+        and all((out / name).is_file() for name in _REQUIRED_FILES)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Building
+# --------------------------------------------------------------------------------------------
+
+
+def _build(shape: str, out: str | os.PathLike[str], seed: int, force: bool) -> tuple[Path, bool]:
+    """``build``; also says whether this call wrote the checkpoint."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    out = Path(out).expanduser().absolute()
+    if not force and is_built(out, shape, seed):
+        return out, False  # fast path: no lock, no writes (works on a read-only mount)
+    _check_replaceable(out)  # fail early, before creating anything; re-checked under the lock
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    with _lock(out) as exclusive:
+        if exclusive:  # no other build of `out` can be running: clear up killed ones
+            _remove_leftovers(out)
+        if not force and is_built(out, shape, seed):
+            return out, False  # another process built it while we waited for the lock
+        _check_replaceable(out)
+
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            _write_checkpoint(tmp, shape, seed)
+            _set_permissions(tmp)
+            _swap_into_place(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out, True
+
+
+def _write_checkpoint(dest: Path, shape: str, seed: int) -> None:
+    started = time.monotonic()
+    corpus_info, tok_len = _write_tokenizer(dest, shape)
+    n_params = _write_model(dest, shape, seed)
+    if tok_len > SHAPES[shape]["vocab_size"]:  # cannot happen with TOKENIZER_VOCAB <= vocab_size
+        raise RuntimeError(f"tokenizer has {tok_len} tokens > model vocab {SHAPES[shape]['vocab_size']}")
+
+    import tokenizers
+    import torch
+    import transformers
+
+    marker = {
+        "format_version": FORMAT_VERSION,
+        "shape": shape,
+        "seed": seed,
+        "config": _jsonable(SHAPES[shape]),
+        "tokenizer_target_vocab": TOKENIZER_VOCAB[shape],
+        "tokenizer_len": tok_len,
+        "parameters": n_params,
+        "corpus": corpus_info,
+        "built_with": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+        "build_seconds": round(time.monotonic() - started, 2),
+    }
+    # Written last: its presence means the directory is complete.
+    (dest / MARKER_NAME).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+
+
+def _write_model(dest: Path, shape: str, seed: int) -> int:
+    import torch
+    from transformers import GenerationConfig, OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(**SHAPES[shape])
+    config.architectures = ["OPTForCausalLM"]
+    # fork_rng: seeding here must not disturb the caller's global RNG state; and initialise in
+    # float32 whatever default dtype the caller set, so the bytes depend on the seed alone.
+    default_dtype = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[]):
+        torch.set_default_dtype(torch.float32)
+        try:
+            torch.manual_seed(seed)
+            model = OPTForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+    model = model.to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
+    )
+    with _quiet_progress_bars():
+        # One file, like facebook/opt-125m (whose weights are ~500 MB in float32).
+        model.save_pretrained(dest, safe_serialization=True, max_shard_size="20GB")
+    return sum(p.numel() for p in model.parameters())
+
+
+def _write_tokenizer(dest: Path, shape: str) -> tuple[dict[str, Any], int]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts, corpus_info = _stdlib_corpus(_CORPUS_CHARS[shape])
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB[shape],
+        special_tokens=list(SPECIAL_TOKENS),  # ids 0..3, in this order
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: any text encodes
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    for i, t in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(t) != i:
+            raise RuntimeError(f"special token {t!r} got id {tok.token_to_id(t)}, expected {i}")
+    # OPT prepends </s> (id 2) as BOS to every text; this is the template transformers itself
+    # builds for add_bos_token=True, so the json and the tokenizer_config agree.
+    tok.post_processor = processors.TemplateProcessing(
+        single="</s>:0 $A:0",
+        pair="</s>:0 $A:0 </s>:1 $B:1",
+        special_tokens=[("</s>", BOS_TOKEN_ID)],
+    )
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="</s>",
+        eos_token="</s>",
+        unk_token="</s>",  # as in facebook/opt-*; byte-level BPE never needs it
+        pad_token="<pad>",
+        add_bos_token=True,  # same template as the post_processor above
+        add_eos_token=False,
+        add_prefix_space=False,
+        model_max_length=SHAPES[shape]["max_position_embeddings"],
+        padding_side="right",
+        truncation_side="right",
+        clean_up_tokenization_spaces=False,  # decode must give back the text exactly
+    )
+    hf_tok.save_pretrained(dest)
+
+    # Name a class every transformers version knows: v5 writes "TokenizersBackend", which v4
+    # (e.g. in a vLLM install) does not have.  v5 maps "PreTrainedTokenizerFast" to
+    # TokenizersBackend; both load tokenizer.json as is.
+    cfg_path = dest / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg.update(add_bos_token=True, add_eos_token=False)  # as facebook/opt-* declares
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    return corpus_info, len(hf_tok)
+
+
+def _stdlib_corpus(max_chars: int) -> tuple[list[str], dict[str, Any]]:
+    """Deterministic training text: the stdlib's .py files (tests excluded), sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "__pycache__"}
+    rel_paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip]
+        rel = Path(dirpath).relative_to(root)
+        rel_paths.extend((rel / f).as_posix() for f in filenames if f.endswith(".py"))
+    files = [root / r for r in sorted(rel_paths)]
+    texts: list[str] = []
+    digest = hashlib.sha256()
+    n = 0
+    for f in files:
+        if n >= max_chars:
+            break
+        try:
+            text = f.read_bytes().decode("utf-8", errors="replace")
+        except OSError:
+            continue
+        text = text[: max_chars - n]
+        texts.append(text)
+        digest.update(text.encode("utf-8"))
+        n += len(text)
+    if n < 100_000:
+        raise RuntimeError(f"too little training text under {root} ({n} characters)")
+    info = {
+        "source": "python-stdlib",
+        "python": sys.version.split()[0],
+        "files": len(texts),
+        "chars": n,
+        "sha256": digest.hexdigest(),
+    }
+    return texts, info
+
+
+# --------------------------------------------------------------------------------------------
+# Filesystem helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _read_marker(out: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((out / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _check_replaceable(out: Path) -> None:
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise FileExistsError(f"{out} exists and is not a directory; refusing to replace it")
+    if any(out.iterdir()) and _read_marker(out) is None:
+        raise FileExistsError(
+            f"{out} is a non-empty directory not built by worker.devmodels (no {MARKER_NAME}); "
+            "refusing to replace it -- remove it or choose another --out"
+        )
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Delete temp dirs of builds of ``out`` that were killed (we hold the build lock)."""
+    for pattern in (f".{out.name}.tmp-*", f".{out.name}.old-*"):
+        for leftover in out.parent.glob(pattern):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    if out.exists():
+        # Move the old one aside first (an empty dir or one of our checkpoints; checked above).
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / out.name)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old / out.name, out)
+            shutil.rmtree(old, ignore_errors=True)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def _set_permissions(root: Path) -> None:
+    """mkdtemp makes a 0700 directory; give the result ordinary permissions (per the umask)."""
+    umask = 0o022
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                umask = int(line.split()[1], 8)
+    os.chmod(root, 0o777 & ~umask)
+    for f in root.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if was_enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _lock(out: Path) -> Iterator[bool]:
+    """Serialise builds of the same ``out`` across processes (e.g. several workers starting).
+
+    Yields True when the lock is real (POSIX flock), False where it is unavailable.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no cross-process lock
+        yield False
+        return
+    lock_path = out.parent / f".{out.name}.lock"
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj)) if obj is not None else None
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker.devmodels",
+        description="Build a random-weight OPT checkpoint with a locally trained byte-level BPE "
+        "tokenizer, loadable offline with AutoTokenizer/AutoModelForCausalLM.from_pretrained.",
+    )
+    parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    args = parser.parse_args(argv)
+    if args.seed < 0:
+        parser.error("--seed must be >= 0")
+
+    started = time.monotonic()
+    try:
+        out, built = _build(args.shape, args.out, args.seed, args.force)
+    except FileExistsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if built:
+        action = f"built in {time.monotonic() - started:.1f}s"
+    else:
+        action = "up to date (use --force to rebuild)"
+
+    marker = _read_marker(out) or {}
+    cfg = SHAPES[args.shape]
+    print(f"devmodel {args.shape} (seed {args.seed}) at {out}: {action}")
+    print(
+        f"OPT {marker.get('parameters', 0) / 1e6:.1f}M params, hidden {cfg['hidden_size']}, "
+        f"{cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads, "
+        f"max_pos {cfg['max_position_embeddings']}, model vocab {cfg['vocab_size']}, "
+        f"tokenizer {marker.get('tokenizer_len', '?')} tokens, float32 safetensors"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""Engines: one per worker process, shared by all of its Celery task threads."""
+
+from __future__ import annotations
+
+from tasks.config import Settings
+from worker.engines.base import Engine, GenerationError
+
+
+def create_engine(settings: Settings) -> Engine:
+    """Build and load the engine the settings name. Imports heavy libraries only here."""
+    if settings.engine == "echo":
+        from worker.engines.echo import EchoEngine
+
+        return EchoEngine(settings)
+    if settings.engine == "hf":
+        from worker.engines.hf import HFEngine
+
+        return HFEngine(settings)
+    raise ValueError(f"unknown engine {settings.engine!r}")
+
+
+__all__ = ["Engine", "GenerationError", "create_engine"]
