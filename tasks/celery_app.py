@@ -30,7 +30,7 @@ GENERATE_TASK = "genq.generate"
 
 def make_celery(settings: Settings | None = None) -> Celery:
     s = settings or get_settings()
-    visibility = 2 * s.job_timeout + 60
+    visibility = s.redelivery_after
     app = Celery("genqueue", broker=s.redis_url, backend=backend_url(s.redis_url), set_as_current=False)
     app.conf.update(
         task_serializer="json",

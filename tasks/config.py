@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024)
 
     job_timeout: int = Field(600, ge=1, description="seconds one job may run")
+    visibility_timeout: int | None = Field(
+        None, ge=1, description="seconds before an unacknowledged job is delivered again"
+    )
     result_ttl: int = Field(86_400, ge=60, description="seconds a job and its result are kept")
     max_queue_depth: int = Field(1000, ge=1)
     max_wait: float = Field(300.0, ge=0, description="longest ?wait= and blocking call, seconds")
@@ -41,6 +44,11 @@ class Settings(BaseSettings):
     @property
     def served_model(self) -> str:
         return self.model_name or self.model
+
+    @property
+    def redelivery_after(self) -> int:
+        """Above the longest job, or a slow job would be delivered twice."""
+        return self.visibility_timeout or 2 * self.job_timeout + 60
 
 
 @lru_cache(maxsize=1)

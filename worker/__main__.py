@@ -87,6 +87,8 @@ def main() -> None:
 
     @worker_ready.connect(weak=False)
     def _announce(**_):
+        # One INFO line per job with its whole result is noise at hundreds of jobs a second.
+        logging.getLogger("celery.app.trace").setLevel(logging.WARNING)
         heartbeat.start()
         log.info("worker %s ready on queue %s", name, queue)
 
