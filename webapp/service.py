@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 # How long the list of live workers is reused before Redis is asked again.
 WORKERS_CACHE_S = 1.0
 
+# HTTP status of a blocking call whose job ended with this error code; any other code is the
+# server's fault (502).
+OUTCOME_STATUS = {"prompt_too_long": 400, "invalid_request": 400, "cancelled": 409}
+
 
 class JobService:
     def __init__(self, settings: Settings, client: redis.Redis, celery: Celery):
@@ -139,8 +143,7 @@ class JobService:
                 504, "timeout", f"job {job_id} is still {status}; poll GET /v1/jobs/{job_id}"
             )
         error = body.get("error") or {"code": status, "message": f"job {status}"}
-        client_fault = error["code"] in ("prompt_too_long", "invalid_request", "cancelled")
-        raise APIError(400 if client_fault else 502, error["code"], error["message"])
+        raise APIError(OUTCOME_STATUS.get(error["code"], 502), error["code"], error["message"])
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         moved, prev = self.store.cancel(job_id)
