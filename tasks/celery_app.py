@@ -53,6 +53,5 @@ def make_celery(settings: Settings | None = None) -> Celery:
         worker_send_task_events=False,
         task_send_sent_event=False,
         worker_hijack_root_logger=False,
-        broker_pool_limit=max(10, s.api_threads),
     )
     return app

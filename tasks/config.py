@@ -36,7 +36,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     api_workers: int = Field(2, ge=1)
-    api_threads: int = Field(64, ge=1)
+    api_connections: int = Field(1000, ge=1, description="open requests per API process")
 
     heartbeat_interval: float = Field(2.0, gt=0)
     heartbeat_ttl: float = Field(10.0, gt=0)

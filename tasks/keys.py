@@ -12,5 +12,10 @@ def done(job_id: str) -> str:
     return f"{PREFIX}:done:{job_id}"
 
 
+def stream(job_id: str) -> str:
+    """The job's token events, capped, expiring with the job (see tasks/streams.py)."""
+    return f"{PREFIX}:stream:{job_id}"
+
+
 WORKERS = f"{PREFIX}:workers"
 WORKERS_SEEN = f"{PREFIX}:workers:seen"

@@ -94,3 +94,43 @@ def test_cancel_a_running_job(engine, reference):
     assert str(info.value) == spec.id
     # The job batched beside it is untouched.
     assert other.result(timeout=60).text == reference(PROMPTS[5], 20)
+
+
+class RecordingSink:
+    def __init__(self):
+        self.events = {}
+
+    def emit(self, events, resolved):
+        for job_id, ev in events:
+            self.events.setdefault(job_id, []).append(ev)
+        for future, result in resolved:
+            future.set_result(result)
+
+
+def test_token_events_add_up_to_the_result(tiny_model, reference):
+    sink = RecordingSink()
+    eng = HFEngine(Settings(model=str(tiny_model), max_batch_size=4), sink)
+    try:
+        full = reference(PROMPTS[0], 30)
+        specs = [
+            job(PROMPTS[0], max_new_tokens=30),
+            job(PROMPTS[0], max_new_tokens=30, stop=[full[10:14]]),
+            job(PROMPTS[6], max_new_tokens=25),
+            job("Hello", max_new_tokens=1),
+        ]
+        futures = [eng.submit(s) for s in specs]
+        for spec, fut in zip(specs, futures):
+            result = fut.result(timeout=60)
+            events = sink.events[spec.id]
+            assert [e.index for e in events] == list(range(len(events)))
+            assert [e.finish for e in events[:-1]] == [None] * (len(events) - 1)
+            assert events[-1].finish == result.finish_reason
+            assert events[-1].usage == {
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": result.completion_tokens,
+            }
+            assert "".join(e.text for e in events) == result.text
+        assert sink.events[specs[1].id][-1].finish == "stop"
+        assert futures[1].result().text == full[: full.index(full[10:14])]
+    finally:
+        eng.close()

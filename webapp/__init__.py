@@ -8,7 +8,7 @@ from flask import Flask
 from tasks.celery_app import make_celery
 from tasks.config import Settings, get_settings
 from webapp import errors
-from webapp.routes import health, jobs, teaching
+from webapp.routes import health, jobs, openai, teaching
 from webapp.service import JobService
 
 
@@ -19,10 +19,16 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
 
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
+    # One connection per open request at most: a blocked wait or stream holds one.
+    client = redis.Redis.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        health_check_interval=30,
+        max_connections=settings.api_connections + 32,
+    )
     app.extensions["genq"] = JobService(settings, client, make_celery(settings))
 
     errors.register(app)
-    for bp in (health.bp, jobs.bp, teaching.bp):
+    for bp in (health.bp, jobs.bp, teaching.bp, openai.bp):
         app.register_blueprint(bp)
     return app

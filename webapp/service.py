@@ -16,11 +16,13 @@ import redis
 from celery import Celery
 from kombu.exceptions import KombuError
 
+from tasks import keys
 from tasks.celery_app import GENERATE_TASK
 from tasks.config import Settings, queue_for
 from tasks.jobs import JobStore, decode_record
 from tasks.registry import Registry, WorkerInfo
 from tasks.schemas import JobSpec, JobStatus, SamplingParams
+from tasks.streams import follow
 from webapp.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,14 @@ class JobService:
             )
         error = body.get("error") or {"code": status, "message": f"job {status}"}
         raise APIError(OUTCOME_STATUS.get(error["code"], 502), error["code"], error["message"])
+
+    def events(self, job_ids: list[str], after: dict[str, int] | None = None):
+        """Token events of these jobs as they come (see tasks.streams.follow)."""
+        return follow(self.r, job_ids, self.store.get, after)
+
+    def require_job(self, job_id: str) -> None:
+        if not self.r.exists(keys.job(job_id)):
+            raise APIError(404, "not_found", f"no job {job_id!r}")
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         moved, prev = self.store.cancel(job_id)

@@ -23,6 +23,7 @@ from tasks.jobs import JobStore
 from tasks.registry import Registry, WorkerInfo
 from worker import tasks
 from worker.engines import create_engine
+from worker.publisher import StreamPublisher
 
 log = logging.getLogger("genq.worker")
 
@@ -61,12 +62,13 @@ def main() -> None:
     name = f"genq-{settings.engine}-{os.getpid()}@{host}"
     queue = queue_for(settings.served_model)
 
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    publisher = StreamPublisher(client, settings.result_ttl, settings.max_new_tokens_limit + 16)
+
     started = time.monotonic()
     log.info("loading %s engine for %s", settings.engine, settings.model)
-    engine = create_engine(settings)
+    engine = create_engine(settings, publisher)
     log.info("engine loaded in %.1f s; capacity %d", time.monotonic() - started, engine.capacity)
-
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     tasks.runtime.engine = engine
     tasks.runtime.store = JobStore(client, settings.result_ttl)
     tasks.runtime.worker_name = name
@@ -100,6 +102,7 @@ def main() -> None:
     @worker_shutdown.connect(weak=False)
     def _close(**_):
         engine.close()
+        publisher.close()
 
     app.worker_main(
         [

@@ -14,6 +14,7 @@ from celery import Celery
 from celery.exceptions import Ignore
 from celery.signals import task_postrun
 
+from tasks import keys
 from tasks.celery_app import GENERATE_TASK
 from tasks.jobs import JobStore
 from tasks.schemas import JobSpec, JobStatus
@@ -46,6 +47,9 @@ def register(app: Celery) -> None:
             # Cancelled while queued, already final, or its record expired: nothing to run.
             log.info("job %s skipped: status %s", spec.id, prev)
             raise Ignore()
+        if prev is JobStatus.running:
+            # Delivered again after its worker died: its token stream starts over.
+            runtime.store.r.delete(keys.stream(spec.id))
         future = runtime.engine.submit(spec)
         while True:
             try:

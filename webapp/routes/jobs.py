@@ -7,7 +7,9 @@ import math
 from flask import Blueprint, current_app, request, url_for
 
 from tasks.schemas import JobRequest, SamplingParams
-from webapp.errors import APIError
+from tasks.streams import StreamEnd
+from webapp import sse
+from webapp.errors import APIError, error_body
 from webapp.routes._body import parse
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
@@ -30,6 +32,41 @@ def create_job():
 def get_job(job_id: str):
     wait = _wait_arg()
     return _service().view(job_id, wait)
+
+
+@bp.get("/<job_id>/stream")
+def stream_job(job_id: str):
+    """SSE: `token` events `{"index", "text"}`, then `done` `{"text", "finish_reason", "usage"}`
+    or `error`. Event ids are token indexes; `Last-Event-ID` resumes after one."""
+    service = _service()
+    service.require_job(job_id)
+    after = _last_event_id()
+
+    def chunks():
+        for item in service.events([job_id], {job_id: after}):
+            if item is None:
+                yield sse.KEEPALIVE
+                continue
+            _, ev = item
+            if isinstance(ev, StreamEnd):
+                yield sse.event(error_body(409 if ev.status == "cancelled" else 502, **ev.error), "error")
+            elif ev.finish:
+                done = {"text": ev.text, "finish_reason": ev.finish, "usage": ev.usage}
+                yield sse.event(done, "done", ev.index)
+            else:
+                yield sse.event({"index": ev.index, "text": ev.text}, "token", ev.index)
+
+    return sse.response(chunks())
+
+
+def _last_event_id() -> int:
+    raw = request.headers.get("Last-Event-ID", request.args.get("last_event_id"))
+    if raw is None:
+        return -1
+    try:
+        return int(raw)
+    except ValueError:
+        raise APIError(400, "invalid_request", "Last-Event-ID: an event id (a whole number)") from None
 
 
 @bp.post("/<job_id>/cancel")

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from tasks.config import Settings
-from worker.engines.base import Engine, GenerationError
+from worker.engines.base import Engine, GenerationError, Sink
 
 
-def create_engine(settings: Settings) -> Engine:
+def create_engine(settings: Settings, sink: Sink | None = None) -> Engine:
     """Build and load the engine the settings name. Imports heavy libraries only here."""
     if settings.engine == "echo":
         from worker.engines.echo import EchoEngine
 
-        return EchoEngine(settings)
+        return EchoEngine(settings, sink)
     if settings.engine == "hf":
         from worker.engines.hf import HFEngine
 
-        return HFEngine(settings)
+        return HFEngine(settings, sink)
     raise ValueError(f"unknown engine {settings.engine!r}")
 
 
-__all__ = ["Engine", "GenerationError", "create_engine"]
+__all__ = ["Engine", "GenerationError", "Sink", "create_engine"]

@@ -1,11 +1,14 @@
-"""The small interface every engine offers to the Celery task threads."""
+"""The small interface every engine offers to the Celery task threads, and the sink through
+which engines hand out token events and finished results."""
 
 from __future__ import annotations
 
 import abc
 from concurrent.futures import Future
+from typing import Protocol
 
 from tasks.schemas import GenerationResult, JobSpec
+from tasks.streams import TokenEvent
 
 
 class GenerationError(Exception):
@@ -19,6 +22,23 @@ class GenerationError(Exception):
 
 class JobCancelled(Exception):
     """The job was cancelled while the engine held it."""
+
+
+Resolved = tuple[Future, GenerationResult]
+
+
+class Sink(Protocol):
+    def emit(self, events: list[tuple[str, TokenEvent]], resolved: list[Resolved]) -> None:
+        """Deliver one step's token events, then resolve the futures of the jobs that
+        finished in it (their finish events are among `events`)."""
+
+
+class DirectSink:
+    """No stream: futures resolve at once and token events are dropped."""
+
+    def emit(self, events: list[tuple[str, TokenEvent]], resolved: list[Resolved]) -> None:
+        for future, result in resolved:
+            future.set_result(result)
 
 
 class Engine(abc.ABC):

@@ -28,7 +28,8 @@ from transformers.utils import logging as hf_logging
 
 from tasks.config import Settings
 from tasks.schemas import GenerationResult, JobSpec
-from worker.engines.base import Engine, GenerationError, JobCancelled
+from tasks.streams import TokenEvent
+from worker.engines.base import DirectSink, Engine, GenerationError, JobCancelled, Resolved, Sink
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,26 @@ class _Seq:
     generator: torch.Generator | None = None
     out: list[int] = field(default_factory=list)
     batch_peak: int = 0
+    # Incremental detokenization: `text` is the completion so far; tokens from `prefix_off`
+    # on are decoded again each step (a token can complete a character its predecessor began).
+    text: str = ""
+    prefix_off: int = 0
+    read_off: int = 0
+    sent: int = 0  # characters of `text` already streamed
+    events: int = 0  # token events streamed
+
+    @property
+    def holdback(self) -> int:
+        """Characters kept back from the stream: they may turn out to begin a stop string."""
+        stops = self.spec.params.stop
+        return max(map(len, stops)) - 1 if stops else 0
 
 
 class HFEngine(Engine):
     name = "hf"
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, sink: Sink | None = None):
+        self.sink = sink or DirectSink()
         self.model = settings.served_model
         self.capacity = settings.max_batch_size
         self.default_max_new = settings.default_max_new_tokens
@@ -64,6 +79,8 @@ class HFEngine(Engine):
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos
 
         self._inbox: queue.SimpleQueue[_Seq | None] = queue.SimpleQueue()
+        self._events: list[tuple[str, TokenEvent]] = []
+        self._resolved: list[Resolved] = []
         self._cancel_lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._closed = threading.Event()
@@ -118,10 +135,13 @@ class HFEngine(Engine):
                     self._step(new)
                 except Exception as exc:  # a failed forward fails its batch, not the worker
                     log.exception("engine step failed")
+                    for future, result in self._resolved:
+                        future.set_result(result)
                     for seq in self._seqs + new:
                         if not seq.future.done():
                             seq.future.set_exception(GenerationError("engine_error", repr(exc)))
                     self._select([])
+                    self._events, self._resolved = [], []
         for seq in self._seqs:
             seq.future.set_exception(GenerationError("engine_closed", "the worker stopped"))
         while True:
@@ -160,6 +180,9 @@ class HFEngine(Engine):
             self._admit(new)
         if self._seqs:
             self._decode()
+        if self._events or self._resolved:
+            self.sink.emit(self._events, self._resolved)
+            self._events, self._resolved = [], []
 
     def _reap(self, new: list[_Seq]) -> None:
         """Fail cancelled and expired jobs, running or just arrived."""
@@ -249,30 +272,49 @@ class HFEngine(Engine):
         if token == self.eos and not params.ignore_eos:
             return self._resolve(seq, "eos")
         seq.out.append(token)
-        if params.stop:
-            text = self.tok.decode(seq.out, skip_special_tokens=True)
-            cut = min((p for p in (text.find(s) for s in params.stop) if p >= 0), default=-1)
-            if cut >= 0:
-                return self._resolve(seq, "stop", text[:cut])
+        delta = self._detokenize(seq)
+        seq.text += delta
+        if params.stop and delta:
+            start = max(0, len(seq.text) - len(delta) - seq.holdback)
+            found = [p for p in (seq.text.find(s, start) for s in params.stop) if p >= 0]
+            if found:
+                return self._resolve(seq, "stop", seq.text[: min(found)])
+        upto = max(seq.sent, len(seq.text) - seq.holdback)
+        self._stream(seq, seq.text[seq.sent : upto])
+        seq.sent = upto
         if len(seq.out) >= seq.max_new:
             return self._resolve(seq, "length")
         if self.max_model_len and len(seq.prompt_ids) + len(seq.out) >= self.max_model_len:
             return self._resolve(seq, "length")
         return True
 
+    def _detokenize(self, seq: _Seq) -> str:
+        """The text the newest token adds; empty while it ends inside a UTF-8 character."""
+        before = self.tok.decode(seq.out[seq.prefix_off : seq.read_off], skip_special_tokens=True)
+        after = self.tok.decode(seq.out[seq.prefix_off :], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            seq.prefix_off, seq.read_off = seq.read_off, len(seq.out)
+            return after[len(before) :]
+        return ""
+
+    def _stream(self, seq: _Seq, text: str, **final) -> None:
+        self._events.append((seq.spec.id, TokenEvent(seq.events, text, **final)))
+        seq.events += 1
+
     def _resolve(self, seq: _Seq, reason: str, text: str | None = None) -> bool:
         if text is None:
             text = self.tok.decode(seq.out, skip_special_tokens=True)
-        seq.future.set_result(
-            GenerationResult(
-                text=text,
-                finish_reason=reason,
-                prompt_tokens=len(seq.prompt_ids),
-                completion_tokens=len(seq.out),
-                batch_size=max(seq.batch_peak, 1),
-                model=self.model,
-            )
+        result = GenerationResult(
+            text=text,
+            finish_reason=reason,
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.out),
+            batch_size=max(seq.batch_peak, 1),
+            model=self.model,
         )
+        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
+        self._stream(seq, text[seq.sent :], finish=reason, usage=usage)
+        self._resolved.append((seq.future, result))
         return False
 
     def _select(self, keep: list[int]) -> None:
