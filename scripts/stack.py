@@ -36,8 +36,23 @@ def api_argv() -> list[str]:
     return [_bin(API_COMMAND[0]), *API_COMMAND[1:]]
 
 
-def worker_argv() -> list[str]:
-    return [sys.executable, *WORKER_COMMAND[1:]]
+VLLM_VENV = ROOT / ".venv-vllm"
+
+
+def worker_argv(engine: str = "hf") -> list[str]:
+    """vLLM workers run in their own virtualenv (vLLM pins an older transformers)."""
+    python = sys.executable
+    if engine == "vllm":
+        python = os.environ.get("GENQ_VLLM_PYTHON") or str(VLLM_VENV / "bin" / "python")
+        if not Path(python).exists():
+            raise RuntimeError(f"no vLLM environment at {python}: run `make .venv-vllm` first")
+    return [python, *WORKER_COMMAND[1:]]
+
+
+def engine_names(base: str, engines: list[str]) -> dict[str, str]:
+    """Served model name per engine: the first engine serves `base`, others `base-<engine>`,
+    so that each engine has a queue of its own and /generate_vllm reaches vLLM."""
+    return {e: base if i == 0 else f"{base}-{e}" for i, e in enumerate(engines)}
 
 
 def free_port() -> int:
@@ -205,8 +220,14 @@ def main() -> int:
             url = private.url
             print(f"started a private redis-server at {url}" + (f" ({os.environ['REDIS_URL']} did not answer)" if os.environ.get("REDIS_URL") else ""))
         env["REDIS_URL"] = url
-        procs.append(Proc("worker", worker_argv(), env))
-        procs.append(Proc("api", api_argv(), env))
+        cfg = {**os.environ, **env}
+        engines = [e.strip() for e in cfg.get("GENQ_ENGINES", cfg.get("GENQ_ENGINE", "hf")).split(",") if e.strip()]
+        base = cfg.get("GENQ_MODEL_NAME") or cfg["GENQ_MODEL"]
+        for engine, name in engine_names(base, engines).items():
+            worker_env = {**env, "GENQ_ENGINE": engine, "GENQ_MODEL_NAME": name}
+            procs.append(Proc(f"{engine} worker", worker_argv(engine), worker_env))
+            print(f"{engine} worker serves {name!r}")
+        procs.append(Proc("api", api_argv(), {**env, "GENQ_MODEL_NAME": base}))
         port = os.environ.get("GENQ_PORT", "8000")
         host = os.environ.get("GENQ_HOST", "127.0.0.1")
         base = f"http://{host}:{port}"

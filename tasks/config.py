@@ -16,10 +16,12 @@ class Settings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="REDIS_URL")
     model: str = "facebook/opt-125m"
     model_name: str | None = None
-    engine: Literal["hf", "echo"] = "hf"
+    engine: Literal["hf", "vllm", "echo"] = "hf"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     max_batch_size: int = Field(32, ge=1, le=1024)
+    vllm_enforce_eager: bool = Field(True, description="no graph capture/compilation (CPU: no gain)")
+    vllm_kv_cache_gib: int = Field(1, ge=1, description="vLLM's KV cache on CPU, GiB")
     default_max_new_tokens: int = Field(32, ge=1)
     max_new_tokens_limit: int = Field(1024, ge=1)
     max_prompt_chars: int = Field(32_768, ge=1)

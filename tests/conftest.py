@@ -73,9 +73,9 @@ class Stack:
 
     def start_worker(self, **env: str) -> stack.Proc:
         n = sum(p.name.startswith("worker") for p in self.procs)
-        proc = stack.Proc(
-            f"worker{n}", stack.worker_argv(), {**self.env, **env}, self.logs / f"{self.name}-worker{n}.log"
-        )
+        env = {**self.env, **env}
+        argv = stack.worker_argv(env.get("GENQ_ENGINE", "hf"))
+        proc = stack.Proc(f"worker{n}", argv, env, self.logs / f"{self.name}-worker{n}.log")
         self.procs.append(proc)
         return proc
 
@@ -116,6 +116,38 @@ def hf_stack(make_stack) -> Stack:
     s.start_api()
     s.start_worker()
     s.wait_ready()
+    return s
+
+
+@pytest.fixture(scope="session")
+def vllm_reference(tiny_model):
+    """Greedy completions from vLLM's own `LLM.generate`, run in the vLLM environment."""
+    import json
+    import subprocess
+
+    def complete(prompts: list[str], max_tokens: int) -> list[str]:
+        out = subprocess.run(
+            [stack.worker_argv("vllm")[0], str(ROOT / "tests" / "vllm_reference.py"), str(tiny_model), str(max_tokens)],
+            input=json.dumps(prompts),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        (line,) = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+        return json.loads(line[len("RESULT ") :])
+
+    return complete
+
+
+@pytest.fixture(scope="session")
+def vllm_stack(make_stack) -> Stack:
+    """The tiny model behind one vLLM worker (and the API)."""
+    s = make_stack(GENQ_ENGINE="vllm", GENQ_MAX_BATCH_SIZE="16")
+    s.start_api()
+    s.start_worker()
+    s.wait_ready(timeout=240)
     return s
 
 

@@ -142,6 +142,8 @@ def test_blocking_call_without_worker_is_503_at_once(client):
     err = assert_error(client.post("/basic_generate", json={"prompt": "Hello"}), 503, "no_worker")
     assert "no live worker" in err["message"]
     assert_error(client.post("/generate", json={"prompts": ["a", "b"]}), 503, "no_worker")
+    err = assert_error(client.post("/generate_vllm", json={"prompts": ["a"]}), 503, "no_worker")
+    assert "vllm" in err["message"]
 
 
 def test_empty_prompt_list_gives_empty_list(client):

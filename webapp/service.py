@@ -66,6 +66,16 @@ class JobService:
             raise APIError(404, "model_not_found", f"no worker serves model {model!r}; served: {served}")
         return model
 
+    def model_for_engine(self, engine: str) -> str:
+        """The model some live worker of this engine serves (the default model if it does)."""
+        models = {w.model for w in self.live_workers() if w.engine == engine}
+        if not models:
+            raise APIError(
+                503, "no_worker", f"no live {engine} worker; start one with GENQ_ENGINE={engine}",
+                {"Retry-After": "5"},
+            )
+        return self.settings.served_model if self.settings.served_model in models else min(models)
+
     def require_worker(self, model: str) -> None:
         """Blocking calls fail at once, instead of hanging, when nothing can serve them."""
         if not self.workers_for(model):

@@ -19,13 +19,13 @@ from webapp.routes._body import parse
 bp = Blueprint("teaching", __name__)
 
 
-def _submit(prompts: list[str], req) -> list[str]:
+def _submit(prompts: list[str], req, engine: str | None = None) -> list[str]:
     service = current_app.extensions["genq"]
     params = SamplingParams.model_validate(req.model_dump(exclude={"prompt", "prompts"}))
     service.validate(prompts, params)
+    model = service.model_for_engine(engine) if engine else service.resolve_model(None)
     if not prompts:
         return []
-    model = service.resolve_model(None)
     service.require_worker(model)
     return service.submit(prompts, params, model)
 
@@ -48,6 +48,13 @@ def generate():
     req = parse(GenerateRequest)
     completions = _completions(_submit(req.prompts, req))
     return {"generated_texts": [p + c for p, c in zip(req.prompts, completions)]}
+
+
+@bp.post("/generate_vllm")
+def generate_vllm():
+    """Completions without their prompts, as vLLM returns them, from a vLLM worker."""
+    req = parse(GenerateRequest)
+    return {"generated_texts": _completions(_submit(req.prompts, req, engine="vllm"))}
 
 
 @bp.post("/generate_stream")

@@ -16,6 +16,10 @@ def create_engine(settings: Settings, sink: Sink | None = None) -> Engine:
         from worker.engines.hf import HFEngine
 
         return HFEngine(settings, sink)
+    if settings.engine == "vllm":
+        from worker.engines.vllm import VLLMEngine
+
+        return VLLMEngine(settings, sink)
     raise ValueError(f"unknown engine {settings.engine!r}")
 
 

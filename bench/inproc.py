@@ -1,0 +1,171 @@
+"""The in-process phases: padded `model.generate` and our HFEngine, no queue, no HTTP.
+
+Run by bench.run as a subprocess of its own while nothing else of the benchmark runs, so the
+model gets the CPU to itself (as far as a shared machine allows: the "other load" column says
+how much CPU the rest of the machine used meanwhile)::
+
+    python -m bench.inproc --model DIR --batches 1,2,5 --reps 3 --out result.json
+
+For each batch size b: one warm-up run of each, then timed runs of the two in turn until each
+has `reps` runs not disturbed by other load (at most 2 x reps); the median is reported.
+- generate: b prompts, left-padded into one tensor, one `model.generate(do_sample=False,
+  max_new_tokens=32, min_new_tokens=32)` call (EOS cannot end a row early).
+- engine: HFEngine (worker/engines/hf.py) as the worker builds it; b jobs submitted at once
+  (greedy, max_new_tokens=32, ignore_eos), timed until the last future resolves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+
+from bench.common import MAX_NEW_TOKENS, mean, median, prompt
+
+
+def system_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all cores), from /proc/stat."""
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (f + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _measure(fns: dict, reps: int, max_other: float) -> dict:
+    """Warm each fn up once, then time them in turn (so a burst of other load on the shared
+    machine hits all of them alike) until each has `reps` runs during which the rest of the
+    machine used at most `max_other` cores, or 2 x reps runs in all. The median is taken over
+    the quiet runs (over all runs if none was quiet)."""
+    extras = {name: fn() for name, fn in fns.items()}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+    for _ in range(2 * reps):
+        quiet = {n: sum(o <= max_other for _, o in r) for n, r in runs.items()}
+        if all(q >= reps for q in quiet.values()):
+            break
+        for name, fn in fns.items():
+            if quiet[name] >= reps:
+                continue
+            b0, c0, t0 = system_busy_s(), _own_cpu_s(), time.perf_counter()
+            extras[name] = fn()
+            t = time.perf_counter() - t0
+            runs[name].append((t, max(0.0, (system_busy_s() - b0) - (_own_cpu_s() - c0)) / t))
+    out = {}
+    for name, r in runs.items():
+        quiet = [t for t, o in r if o <= max_other]
+        out[name] = {
+            "latency_s": median(quiet or [t for t, _ in r]),
+            "runs_s": [t for t, _ in r],
+            "runs_other": [o for _, o in r],
+            "quiet_runs": len(quiet),
+            "max_other": max_other,
+            "other_load": mean(o for t, o in r if o <= max_other) if quiet else mean(o for _, o in r),
+            "extra": extras[name],
+        }
+    return out
+
+
+def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float, log) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from tasks.config import Settings
+    from tasks.schemas import JobSpec, SamplingParams
+    from worker.engines.hf import HFEngine
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    # The engine as the worker builds it (its own copy of the weights), minus the token stream.
+    settings = Settings(model=model_dir, model_name="bench-inproc", engine="hf",
+                        max_batch_size=max(64, max(batches)))
+    engine = HFEngine(settings)
+    params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    gen_rows, eng_rows = [], []
+    try:
+        for b in batches:
+            enc = tok([prompt(i) for i in range(b)], return_tensors="pt", padding=True)
+
+            def generate():
+                with torch.inference_mode():
+                    out = lm.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
+                                      min_new_tokens=MAX_NEW_TOKENS, pad_token_id=pad)
+                new = out.shape[1] - enc.input_ids.shape[1]
+                if new != MAX_NEW_TOKENS:
+                    raise RuntimeError(f"generate made {new} tokens per row, expected {MAX_NEW_TOKENS}")
+
+            def hfengine():
+                futures = [
+                    engine.submit(JobSpec(id=uuid.uuid4().hex, model="bench-inproc", prompt=prompt(i), params=params))
+                    for i in range(b)
+                ]
+                results = [f.result(timeout=600) for f in futures]
+                bad = [r for r in results if r.completion_tokens != MAX_NEW_TOKENS]
+                if bad:
+                    raise RuntimeError(f"engine made {bad[0].completion_tokens} tokens, expected {MAX_NEW_TOKENS}")
+                return mean(r.batch_size for r in results)
+
+            m = _measure({"generate": generate, "engine": hfengine}, reps, max_other)
+            for name, rows in (("generate", gen_rows), ("engine", eng_rows)):
+                r = m[name]
+                extra = r.pop("extra")
+                if name == "engine":
+                    r["batch_size_mean"] = extra
+                else:
+                    r["padded_prompt_len"] = int(enc.input_ids.shape[1])
+                    r["prompt_tokens_mean"] = float(enc.attention_mask.sum(1).float().mean())
+                r.update(batch=b, req_s=b / r["latency_s"], tok_s=b * MAX_NEW_TOKENS / r["latency_s"])
+                rows.append(r)
+                log(f"{name:8s} batch {b:3d}: {r['latency_s']:.3f} s (runs "
+                    + ", ".join(f"{t:.2f}" for t in r["runs_s"])
+                    + "; other load " + ", ".join(f"{o:.2f}" for o in r["runs_other"]) + ")")
+    finally:
+        engine.close()
+    return {"generate": gen_rows, "engine": eng_rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.inproc")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batches", required=True, help="comma-separated batch sizes")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-other-load", type=float, default=0.3,
+                    help="runs during which the rest of the machine used more cores are repeated")
+    args = ap.parse_args(argv)
+    batches = [int(x) for x in args.batches.split(",") if x.strip()]
+
+    def log(msg: str) -> None:
+        print(f"[inproc] {msg}", file=sys.stderr, flush=True)
+
+    import torch
+    import transformers
+
+    result = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "max_other_load": args.max_other_load,
+        **run_batches(args.model, batches, args.reps, args.max_other_load, log),
+    }
+    with open(args.out, "w") as fh:
+        json.dump(result, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

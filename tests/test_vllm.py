@@ -1,0 +1,92 @@
+"""The vLLM engine end to end: a real vLLM (CPU build) in a worker process on the tiny
+checkpoint, behind the same API. Compared with vLLM's own `LLM.generate`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from helpers import joined, sse_events, stream, submit
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
+N = 12
+
+
+@pytest.fixture(scope="module")
+def expected(vllm_reference):
+    # vLLM's own answers first, before the worker's engine competes for the two cores.
+    return dict(zip(PROMPTS, vllm_reference(PROMPTS, N)))
+
+
+def test_teaching_generate_vllm(expected, vllm_stack):
+    one = vllm_stack.post("/generate_vllm", json={"prompts": PROMPTS[:1], "max_new_tokens": N})
+    assert one.status_code == 200
+    assert one.json() == {"generated_texts": [expected[PROMPTS[0]]]}
+    three = vllm_stack.post("/generate_vllm", json={"prompts": PROMPTS, "max_new_tokens": N})
+    assert three.json()["generated_texts"] == [expected[p] for p in PROMPTS]
+    assert vllm_stack.post("/generate_vllm", json={"prompts": []}).json() == {"generated_texts": []}
+    for bad in ({"prompts": "Hello"}, {"prompt": "Hello"}, {"prompts": [1]}, {"prompts": [""]}):
+        resp = vllm_stack.post("/generate_vllm", json=bad)
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request"
+
+
+def test_jobs_routed_by_model_match_vllm(expected, vllm_stack):
+    for prompt in PROMPTS:
+        job_id = submit(vllm_stack, prompt=prompt, max_new_tokens=N, model=vllm_stack.name)
+        job = vllm_stack.get(f"/v1/jobs/{job_id}?wait=60").json()
+        assert job["status"] == "succeeded", job
+        assert job["result"]["text"] == expected[prompt]
+        assert job["result"]["completion_tokens"] == N
+
+
+def test_streamed_vllm_job(vllm_stack):
+    job_id = submit(vllm_stack, prompt="Once upon a time", max_new_tokens=20, ignore_eos=True)
+    events = stream(vllm_stack, job_id)
+    assert events[-1]["event"] == "done"
+    assert [int(e["id"]) for e in events] == list(range(len(events)))
+    done = json.loads(events[-1]["data"])
+    assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 20
+    result = vllm_stack.get(f"/v1/jobs/{job_id}?wait=30").json()["result"]
+    assert joined(events) == result["text"]
+
+
+def test_openai_completions_on_vllm(expected, vllm_stack):
+    body = {"model": vllm_stack.name, "prompt": PROMPTS, "max_tokens": N, "temperature": 0}
+    out = vllm_stack.post("/v1/completions", json=body).json()
+    assert [c["text"] for c in out["choices"]] == [expected[p] for p in PROMPTS]
+
+
+def test_cancelling_aborts_the_vllm_request(vllm_stack):
+    # Sixteen long jobs share the batch, so each runs for seconds. A loaded machine can still
+    # finish one before the cancel lands (409): then try again with a new batch.
+    for _ in range(3):
+        ids = [submit(vllm_stack, prompt=f"Hello {i}", max_new_tokens=480, ignore_eos=True) for i in range(16)]
+        with vllm_stack.http.get(f"{vllm_stack.base}/v1/jobs/{ids[0]}/stream", stream=True, timeout=60) as resp:
+            sse_events(resp, limit=1)  # it is running
+        resp = vllm_stack.post(f"/v1/jobs/{ids[0]}/cancel")
+        if resp.status_code == 200:
+            break
+        assert resp.json()["error"]["code"] == "already_final"
+    assert resp.status_code == 200
+    events = stream(vllm_stack, ids[0])
+    assert events[-1]["event"] == "error"
+    assert json.loads(events[-1]["data"])["error"]["code"] == "cancelled"
+    assert len([e for e in events if e["event"] == "token"]) < 480  # it stopped early
+    for job_id in ids[1:]:
+        assert vllm_stack.get(f"/v1/jobs/{job_id}?wait=120").json()["status"] == "succeeded"
+    # The worker goes on serving.
+    after = vllm_stack.post("/generate_vllm", json={"prompts": ["Hello"], "max_new_tokens": 3})
+    assert after.status_code == 200
+
+
+def test_prompt_too_long_for_vllm(vllm_stack):
+    resp = vllm_stack.post("/generate_vllm", json={"prompts": ["word " * 600]})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long"
+
+
+def test_the_api_and_hf_worker_run_without_vllm(hf_stack):
+    assert importlib.util.find_spec("vllm") is None
+    resp = hf_stack.post("/basic_generate", json={"prompt": "Hello", "max_new_tokens": 3})
+    assert resp.status_code == 200

@@ -1,0 +1,148 @@
+"""The vLLM engine: one `AsyncLLM` per worker process, fed by every Celery task thread.
+
+vLLM does its own continuous batching; this module only bridges threads and asyncio. An event
+loop runs in a thread of its own; `submit` schedules one coroutine per job on it, which
+iterates vLLM's output deltas and hands them to the sink as token events. vLLM is imported
+only here, so the API and the hf worker run without it installed. It starts its engine core in
+processes of its own (spawned, never forked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from concurrent.futures import Future
+
+from tasks.config import Settings
+from tasks.schemas import GenerationResult, JobSpec
+from tasks.streams import TokenEvent
+from worker.engines.base import DirectSink, Engine, GenerationError, JobCancelled, Sink
+
+log = logging.getLogger(__name__)
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, settings: Settings, sink: Sink | None = None):
+        # CPU builds size their KV cache from this (GiB); GPU builds ignore it.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
+        from transformers import AutoTokenizer
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._SamplingParams, self._DELTA, self._ClientError = SamplingParams, RequestOutputKind.DELTA, VLLMClientError
+        self.sink = sink or DirectSink()
+        self.model = settings.served_model
+        self.capacity = settings.max_batch_size
+        self.default_max_new = settings.default_max_new_tokens
+        self.job_timeout = settings.job_timeout
+        self.tok = AutoTokenizer.from_pretrained(settings.model)
+        self._active = 0
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="genq-vllm-loop", daemon=True)
+        self._thread.start()
+        args = AsyncEngineArgs(
+            model=settings.model,
+            tokenizer=settings.model,
+            served_model_name=[settings.served_model],
+            dtype=settings.dtype,
+            enforce_eager=settings.vllm_enforce_eager,
+            max_num_seqs=settings.max_batch_size,
+            disable_log_stats=True,
+        )
+
+        async def _start():
+            return AsyncLLM.from_engine_args(args)
+
+        self.llm = asyncio.run_coroutine_threadsafe(_start(), self.loop).result()
+        self.max_model_len = self.llm.model_config.max_model_len
+
+    def submit(self, spec: JobSpec) -> Future[GenerationResult]:
+        n_prompt = len(self.tok(spec.prompt).input_ids)
+        max_new = spec.params.max_new_tokens or self.default_max_new
+        if n_prompt + max_new > self.max_model_len:
+            raise GenerationError(
+                "prompt_too_long",
+                f"the prompt has {n_prompt} tokens; with max_new_tokens={max_new} that exceeds "
+                f"the model's context of {self.max_model_len} tokens",
+            )
+        future: Future[GenerationResult] = Future()
+        asyncio.run_coroutine_threadsafe(self._generate(spec, max_new, future), self.loop)
+        return future
+
+    def cancel(self, job_id: str) -> None:
+        asyncio.run_coroutine_threadsafe(self.llm.abort(job_id), self.loop)
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
+        try:
+            llm.shutdown()
+            del llm  # now, not from __del__ at interpreter exit, when vLLM's modules are gone
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+    async def _generate(self, spec: JobSpec, max_new: int, future: Future) -> None:
+        p = spec.params
+        params = self._SamplingParams(
+            max_tokens=max_new,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            stop=p.stop or None,
+            ignore_eos=p.ignore_eos,
+            output_kind=self._DELTA,
+        )
+        self._active += 1
+        peak, index, text, tokens, prompt_tokens = self._active, 0, [], 0, 0
+        finish, stop_reason, last = None, None, ""
+        try:
+            async with asyncio.timeout(self.job_timeout):
+                async for out in self.llm.generate({"prompt": spec.prompt}, params, spec.id):
+                    peak = max(peak, self._active)
+                    prompt_tokens = len(out.prompt_token_ids or []) or prompt_tokens
+                    completion = out.outputs[0]
+                    tokens += len(completion.token_ids)
+                    if completion.text:
+                        text.append(completion.text)
+                    if out.finished:
+                        finish, stop_reason = completion.finish_reason, completion.stop_reason
+                        last = completion.text
+                        break
+                    self.sink.emit([(spec.id, TokenEvent(index, completion.text))], [])
+                    index += 1
+        except TimeoutError:
+            await self.llm.abort(spec.id)
+            future.set_exception(GenerationError("timeout", f"the job ran longer than {self.job_timeout} s"))
+            return
+        except self._ClientError as exc:
+            future.set_exception(GenerationError("invalid_request", str(exc)))
+            return
+        except Exception as exc:  # the engine failed this job, not the worker
+            log.exception("vLLM failed job %s", spec.id)
+            future.set_exception(GenerationError("engine_error", repr(exc)))
+            return
+        finally:
+            self._active -= 1
+        if finish in (None, "abort"):
+            future.set_exception(JobCancelled(spec.id))
+            return
+        reason = {"length": "length"}.get(finish) or ("stop" if isinstance(stop_reason, str) else "eos")
+        result = GenerationResult(
+            text="".join(text),
+            finish_reason=reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=tokens,
+            batch_size=peak,
+            model=self.model,
+        )
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens}
+        self.sink.emit([(spec.id, TokenEvent(index, last, finish=reason, usage=usage))], [(future, result)])
