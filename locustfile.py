@@ -146,6 +146,21 @@ class _GenqUser(HttpUser):
         if delay > 0:
             _sleep(delay)
 
+    def _post_checked(self, path: str, body: dict, check) -> None:
+        """POST `body`; a 200 whose JSON `check` finds nothing wrong with is a success."""
+        with self.client.post(path, json=body, name=path, catch_response=True, timeout=REQUEST_TIMEOUT) as resp:
+            if self._handle_queue_full(resp):
+                pass
+            elif resp.status_code != 200:
+                resp.failure(f"expected 200, got {resp.status_code}")
+            else:
+                problem = check(_json(resp))
+                if problem:
+                    resp.failure(problem)
+                else:
+                    resp.success()
+        self._pause_if_backing_off()
+
 
 class JobsUser(_GenqUser):
     """Submit a job, then long-poll it until it finishes."""
@@ -243,27 +258,16 @@ class BasicGenerateUser(_GenqUser):
     @task
     def basic_generate(self) -> None:
         prompt = random.choice(PROMPTS)
-        with self.client.post(
-            "/basic_generate",
-            json={"prompt": prompt},
-            name="/basic_generate",
-            catch_response=True,
-            timeout=REQUEST_TIMEOUT,
-        ) as resp:
-            if self._handle_queue_full(resp):
-                pass
-            elif resp.status_code != 200:
-                resp.failure(f"expected 200, got {resp.status_code}")
-            else:
-                data = _json(resp)
-                text = data.get("generated_text") if isinstance(data, dict) else None
-                if not isinstance(text, str):
-                    resp.failure("no generated_text in response")
-                elif not text.startswith(prompt):
-                    resp.failure("generated_text does not start with the prompt")
-                else:
-                    resp.success()
-        self._pause_if_backing_off()
+
+        def check(data) -> str | None:
+            text = data.get("generated_text") if isinstance(data, dict) else None
+            if not isinstance(text, str):
+                return "no generated_text in response"
+            if not text.startswith(prompt):
+                return "generated_text does not start with the prompt"
+            return None
+
+        self._post_checked("/basic_generate", {"prompt": prompt}, check)
 
 
 class BatchGenerateUser(_GenqUser):
@@ -275,24 +279,13 @@ class BatchGenerateUser(_GenqUser):
     @task
     def generate(self) -> None:
         prompts = random.sample(PROMPTS, self.batch_size)
-        with self.client.post(
-            "/generate",
-            json={"prompts": prompts},
-            name="/generate",
-            catch_response=True,
-            timeout=REQUEST_TIMEOUT,
-        ) as resp:
-            if self._handle_queue_full(resp):
-                pass
-            elif resp.status_code != 200:
-                resp.failure(f"expected 200, got {resp.status_code}")
-            else:
-                data = _json(resp)
-                texts = data.get("generated_texts") if isinstance(data, dict) else None
-                if not isinstance(texts, list) or len(texts) != len(prompts):
-                    resp.failure("generated_texts missing or of the wrong length")
-                elif not all(isinstance(t, str) and t.startswith(p) for p, t in zip(prompts, texts)):
-                    resp.failure("a generated_texts entry does not start with its prompt")
-                else:
-                    resp.success()
-        self._pause_if_backing_off()
+
+        def check(data) -> str | None:
+            texts = data.get("generated_texts") if isinstance(data, dict) else None
+            if not isinstance(texts, list) or len(texts) != len(prompts):
+                return "generated_texts missing or of the wrong length"
+            if not all(isinstance(t, str) and t.startswith(p) for p, t in zip(prompts, texts)):
+                return "a generated_texts entry does not start with its prompt"
+            return None
+
+        self._post_checked("/generate", {"prompts": prompts}, check)
