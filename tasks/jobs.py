@@ -47,7 +47,8 @@ class JobStore:
         self.ttl = ttl
         self._transition = client.register_script(_TRANSITION)
 
-    def create(self, spec: JobSpec) -> None:
+    def create(self, spec: JobSpec, pipe: redis.client.Pipeline | None = None) -> None:
+        """Write the record of a queued job; into `pipe` when given (the caller executes)."""
         key = keys.job(spec.id)
         fields = {
             "id": spec.id,
@@ -57,10 +58,12 @@ class JobStore:
             "params": spec.params.model_dump_json(exclude_defaults=True),
             "attempts": 0,
         }
-        pipe = self.r.pipeline(transaction=True)
+        own = pipe is None
+        pipe = self.r.pipeline(transaction=True) if own else pipe
         pipe.hset(key, mapping=fields)
         pipe.expire(key, self.ttl)
-        pipe.execute()
+        if own:
+            pipe.execute()
 
     def get(self, job_id: str) -> dict[str, str] | None:
         rec = self.r.hgetall(keys.job(job_id))
@@ -107,20 +110,27 @@ class JobStore:
             job_id, JobStatus.cancelled, {"code": "cancelled", "message": "cancelled by the client"}
         )
 
-    def wait(self, job_id: str, timeout: float) -> dict[str, str] | None:
-        """The job's record once it is final, or as it stands when `timeout` runs out."""
+    def wait(self, job_id: str, timeout: float, exists: bool = False) -> dict[str, str] | None:
+        """The job's record once it is final, or as it stands when `timeout` runs out.
+
+        `exists`: the caller knows the job exists (it just created it), so the first look at
+        the record can wait for the done stream instead of finding the job still running.
+        """
         deadline = time.monotonic() + timeout
-        while True:
+        if not exists:
             rec = self.get(job_id)
             if rec is None or JobStatus(rec["status"]).terminal:
                 return rec
+        while True:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left > 0:
+                # An entry in the done stream means the record is final. Each block stays
+                # below the client's socket timeout (redis-py's default is 5 s).
+                block_ms = max(1, int(min(left, MAX_BLOCK_S) * 1000))
+                self.r.xread({keys.done(job_id): "0"}, block=block_ms, count=1)
+            rec = self.get(job_id)
+            if rec is None or JobStatus(rec["status"]).terminal or time.monotonic() >= deadline:
                 return rec
-            # An entry in the done stream means the record is final: read it again. Each block
-            # stays below the client's socket timeout (redis-py's default is 5 s).
-            block_ms = max(1, int(min(left, MAX_BLOCK_S) * 1000))
-            self.r.xread({keys.done(job_id): "0"}, block=block_ms, count=1)
 
 
 def decode_record(rec: dict[str, str]) -> dict[str, Any]:

@@ -106,17 +106,21 @@ class JobService:
         self.validate(prompts, params)
         model = self.resolve_model(model)
         queue = queue_for(model)
-        depth = self.r.llen(queue)
+        specs = [JobSpec(id=str(uuid.uuid4()), model=model, prompt=p, params=params) for p in prompts]
+        # One round trip: the queue's depth, and the records (dropped again if it is full).
+        pipe = self.r.pipeline(transaction=False)
+        pipe.llen(queue)
+        for spec in specs:
+            self.store.create(spec, pipe)
+        depth = pipe.execute()[0]
         if depth + len(prompts) > self.settings.max_queue_depth:
+            self.r.delete(*(keys.job(s.id) for s in specs))
             raise APIError(
                 429,
                 "queue_full",
                 f"{depth} jobs are waiting for {model!r}; try again shortly",
                 {"Retry-After": "1"},
             )
-        specs = [JobSpec(id=str(uuid.uuid4()), model=model, prompt=p, params=params) for p in prompts]
-        for spec in specs:
-            self.store.create(spec)
         for spec in specs:
             self._publish(spec, queue)
         return [s.id for s in specs]
@@ -135,8 +139,8 @@ class JobService:
 
     # -- outcomes --------------------------------------------------------------------------
 
-    def view(self, job_id: str, wait: float = 0.0) -> dict[str, Any]:
-        rec = self.store.wait(job_id, wait) if wait > 0 else self.store.get(job_id)
+    def view(self, job_id: str, wait: float = 0.0, exists: bool = False) -> dict[str, Any]:
+        rec = self.store.wait(job_id, wait, exists) if wait > 0 else self.store.get(job_id)
         if rec is None:
             raise APIError(404, "not_found", f"no job {job_id!r}")
         body = decode_record(rec)
@@ -146,7 +150,7 @@ class JobService:
 
     def outcome(self, job_id: str, deadline: float) -> dict[str, Any]:
         """The result of a job this request submitted, or the error that ended it."""
-        body = self.view(job_id, max(0.0, deadline - time.monotonic()))
+        body = self.view(job_id, max(0.001, deadline - time.monotonic()), exists=True)
         status = body["status"]
         if status == JobStatus.succeeded.value:
             return body["result"]
