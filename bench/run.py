@@ -55,7 +55,8 @@ INTRO = """\
 # Benchmarks
 
 `make bench` (= `python -m bench.run`) measures, in one run on one machine, the serving path
-against the two ceilings it cannot beat, and rewrites everything below the marker line.
+against the two ceilings it cannot beat, and rewrites everything below the marker line. The
+hand-written part above it is kept.
 
 **Method.** Every request asks for exactly 32 new tokens of greedy decoding with EOS ignored
 (`"max_new_tokens": 32, "ignore_eos": true`), on varied 8-12 token prompts, so output tokens/s
@@ -64,30 +65,39 @@ is 32 x requests/s everywhere.
 1. *API path*: closed-loop clients (one keep-alive `http.client` connection per client thread,
    no think time) on `POST /basic_generate` through gunicorn, Redis, Celery and one hf worker
    (`GENQ_MAX_BATCH_SIZE=64`), at each concurrency level. Each client's first request is a
-   warm-up; the window lasts `--duration` seconds and at least 3 requests per client; only
-   requests completed inside it count. Queue wait, run time and batch size come from the job
-   records and results the stack itself keeps in Redis; CPU per process from psutil.
+   warm-up; the window lasts `--duration` seconds and at least 3 requests per client; requests
+   completed inside it count. Requests/s is the sum over clients of each client's requests
+   divided by the time they spanned (start of its first to end of its last): all clients of a
+   level tend to finish together, one batch at a time, so a plain count inside a fixed window
+   would jump by a whole batch (e.g. 4 or 5 batches of 32 in 20 s). Queue wait, run time and
+   batch size come from the job records and results the stack itself keeps in Redis; CPU per
+   process from psutil.
 2. *In-process `model.generate`*: the same checkpoint loaded with `AutoModelForCausalLM`,
    the batch left-padded into one call (`do_sample=False, max_new_tokens=32,
-   min_new_tokens=32`); one warm-up, then the median of 3 timed calls. This is the ceiling of
-   a transformers-based engine on this machine.
-3. *In-process HFEngine*: our continuous-batching engine without queue or HTTP; `b` jobs
-   submitted at once, timed until the last one resolves. Comparing 1 with 3 isolates the cost
-   of the queue and the API; comparing 3 with 2 isolates the engine's own overhead.
+   min_new_tokens=32`). This is the ceiling of a transformers-based engine on this machine.
+3. *In-process HFEngine*: our continuous-batching engine without queue or HTTP (and without
+   the token stream to Redis); `b` jobs submitted at once, timed until the last one resolves.
+   Comparing 1 with 3 isolates the cost of the queue and the API; 3 with 2 the engine's own.
+   Phases 2 and 3 run in one subprocess before any server starts: one warm-up each per batch
+   size, then timed runs of the two in turn; the median of 3 is reported.
 4. *Echo through the API*: a worker with `GENQ_ENGINE=echo` (answers at once), so the rate is
    that of HTTP + Flask + Redis + Celery alone. The load comes from several client
-   *processes* (each with a few `http.client` threads) so the client's GIL is not the limit;
-   its CPU use is reported because it shares the cores with the server.
-5. *API memory*: resident set size of the gunicorn master and each worker (psutil).
+   *processes* (`python -m bench.load`, a few `http.client` threads each) so the client's GIL
+   is not the limit; its CPU use is reported because it shares the cores with the server.
+   `GENQ_API_WORKERS=1` and `2` are both measured.
+5. *API memory*: resident set size of the gunicorn master and each worker (psutil), with USS
+   (memory only that process holds) and PSS.
 
-The in-process phases run first, in a subprocess of their own, before any server starts.
-The machine is shared: the "other load" columns give the CPU (in cores) that processes outside
-the benchmark used during each measurement; numbers taken under heavy other load are noisy.
+**Noise.** The machine is shared. The "other load" columns give the CPU (in cores) that
+processes outside the benchmark used during each measurement. A measurement during which they
+used more than `--max-other-load` cores (0.3) is repeated (levels: up to 2 more times, keeping
+the quietest; in-process: up to 2 x 3 runs, the disturbed ones left out of the median). This
+matters more than one would think: torch runs one thread per core, and a step of a batch
+waits for its slowest thread, so one busy process elsewhere can slow decoding several-fold.
+
 The checkpoints are random-weight OPT models built offline by `worker/devmodels.py` with
 facebook/opt-125m's exact shape, so compute per token matches the real model; the text is
-gibberish.
-
-Quick run: `python -m bench.run --model tiny --levels 1,2 --duration 2 --no-write`.
+gibberish. Quick run: `python -m bench.run --model tiny --levels 1,2 --duration 2 --no-write`.
 """
 
 
@@ -401,6 +411,7 @@ def echo_once(procs, st, redis_pid, api_workers, args, outdir) -> dict:
     window = mean(pt["window_s"] for pt in parts)
     lat = sorted(x for pt in parts for x in pt["latencies"])
     n = sum(pt["requests"] for pt in parts)
+    rate = sum(pt["rate"] for pt in parts)
     cpu = dict(meter.result)
     client_cpu = sum(pt["client_cpu_s"] for pt in parts) / window
     cpu["client"] = client_cpu
@@ -413,7 +424,8 @@ def echo_once(procs, st, redis_pid, api_workers, args, outdir) -> dict:
         "errors": sum(pt["errors"] for pt in parts),
         "error_sample": next((pt["error_sample"] for pt in parts if pt["error_sample"]), ""),
         "window_s": window,
-        "rate": n / window if window else 0.0,
+        "rate": rate,
+        "window_rate": n / window if window else 0.0,
         "p50": percentile(lat, 50),
         "p90": percentile(lat, 90),
         "p99": percentile(lat, 99),
