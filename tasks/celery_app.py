@@ -15,6 +15,10 @@ Why each setting:
 - result_expires: results live as long as the job records that point at them.
 - cancel_long_running_tasks_on_connection_loss: with acks_late those jobs are redelivered
   anyway; finishing them as well would run them twice.
+- one result backend per process (`result_backend_thread_safe`): Celery's default is one per
+  thread, and under the API's gevent workers every request is a thread of its own, so each
+  would build a backend and open a Redis connection. redis-py's client is thread-safe, and
+  nothing here uses the backend's (unsafe) pub/sub result consumer.
 - events and rate limits off: nobody consumes the events, no task has a rate limit, and both
   cost time on every job.
 """
@@ -49,6 +53,7 @@ def make_celery(settings: Settings | None = None) -> Celery:
         result_expires=s.result_ttl,
         task_default_queue=queue_for(s.served_model),
         task_ignore_result=False,
+        result_backend_thread_safe=True,
         task_store_errors_even_if_ignored=True,
         task_track_started=False,
         worker_send_task_events=False,
