@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import time
+from typing import Callable
 
 #: Every request asks for exactly this many tokens (EOS is ignored), so tokens/s = 32 x req/s.
 MAX_NEW_TOKENS = 32
@@ -49,3 +52,45 @@ def median(values: list[float]) -> float:
 def mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else math.nan
+
+
+def system_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all cores), from /proc/stat."""
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (f + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_quiet(ours: Callable[[], float], max_other: float, timeout: float, log=None,
+                   settle: float = 2.0) -> bool:
+    """Wait until processes other than ours (`ours()`: their CPU seconds) have used at most
+    `max_other` cores for `settle` seconds in a row, or `timeout` seconds have passed.
+    Returns whether it got quiet. On a shared machine this keeps a burst of someone else's
+    work out of a measurement instead of merely reporting it."""
+    if timeout <= 0:
+        return False
+    deadline = time.monotonic() + timeout
+    quiet_since, told = None, False
+    b0, o0, t0 = system_busy_s(), ours(), time.monotonic()
+    while True:
+        time.sleep(0.5)
+        b1, o1, t1 = system_busy_s(), ours(), time.monotonic()
+        other = max(0.0, (b1 - b0) - (o1 - o0)) / (t1 - t0)
+        b0, o0, t0 = b1, o1, t1
+        if other <= max_other:
+            quiet_since = quiet_since or t1
+            if t1 - quiet_since >= settle:
+                return True
+        else:
+            quiet_since = None
+            if log and not told:
+                log(f"  other processes use {other:.2f} cores: waiting up to {timeout:g} s for a quiet machine")
+                told = True
+        if t1 >= deadline:
+            if log:
+                log("  the machine did not get quiet; measuring anyway")
+            return False

@@ -23,18 +23,7 @@ import sys
 import time
 import uuid
 
-from bench.common import MAX_NEW_TOKENS, mean, median, prompt
-
-
-def system_busy_s() -> float:
-    """CPU seconds the whole machine has been busy (all cores), from /proc/stat."""
-    try:
-        with open("/proc/stat") as fh:
-            f = [int(x) for x in fh.readline().split()[1:]]
-    except (OSError, ValueError):
-        return float("nan")
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (f + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+from bench.common import MAX_NEW_TOKENS, mean, median, prompt, system_busy_s, wait_for_quiet
 
 
 def _own_cpu_s() -> float:
@@ -42,13 +31,15 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
-def _measure(fns: dict, reps: int, max_other: float) -> dict:
+def _measure(fns: dict, reps: int, max_other: float, quiet_wait: float, log) -> dict:
     """Warm each fn up once, then time them in turn (so a burst of other load on the shared
     machine hits all of them alike) until each has `reps` runs during which the rest of the
     machine used at most `max_other` cores, or 2 x reps runs in all. The median is taken over
-    the quiet runs (over all runs if none was quiet)."""
+    the quiet runs (over all runs if none was quiet). After a disturbed run, waits (up to
+    `quiet_wait` s) for the machine to calm down before the next."""
     extras = {name: fn() for name, fn in fns.items()}
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+    noisy = False
     for _ in range(2 * reps):
         quiet = {n: sum(o <= max_other for _, o in r) for n, r in runs.items()}
         if all(q >= reps for q in quiet.values()):
@@ -56,10 +47,13 @@ def _measure(fns: dict, reps: int, max_other: float) -> dict:
         for name, fn in fns.items():
             if quiet[name] >= reps:
                 continue
+            if noisy:
+                wait_for_quiet(_own_cpu_s, max_other, quiet_wait, log)
             b0, c0, t0 = system_busy_s(), _own_cpu_s(), time.perf_counter()
             extras[name] = fn()
             t = time.perf_counter() - t0
             runs[name].append((t, max(0.0, (system_busy_s() - b0) - (_own_cpu_s() - c0)) / t))
+            noisy = runs[name][-1][1] > max_other
     out = {}
     for name, r in runs.items():
         quiet = [t for t, o in r if o <= max_other]
@@ -75,7 +69,7 @@ def _measure(fns: dict, reps: int, max_other: float) -> dict:
     return out
 
 
-def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float, log) -> dict:
+def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float, quiet_wait: float, log) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -118,7 +112,7 @@ def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float,
                     raise RuntimeError(f"engine made {bad[0].completion_tokens} tokens, expected {MAX_NEW_TOKENS}")
                 return mean(r.batch_size for r in results)
 
-            m = _measure({"generate": generate, "engine": hfengine}, reps, max_other)
+            m = _measure({"generate": generate, "engine": hfengine}, reps, max_other, quiet_wait, log)
             for name, rows in (("generate", gen_rows), ("engine", eng_rows)):
                 r = m[name]
                 extra = r.pop("extra")
@@ -145,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-other-load", type=float, default=0.3,
                     help="runs during which the rest of the machine used more cores are repeated")
+    ap.add_argument("--quiet-wait", type=float, default=90.0,
+                    help="after a disturbed run, wait up to this long for a quiet machine")
     args = ap.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",") if x.strip()]
 
@@ -160,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "max_other_load": args.max_other_load,
-        **run_batches(args.model, batches, args.reps, args.max_other_load, log),
+        **run_batches(args.model, batches, args.reps, args.max_other_load, args.quiet_wait, log),
     }
     with open(args.out, "w") as fh:
         json.dump(result, fh)

@@ -34,8 +34,7 @@ from pathlib import Path
 import psutil
 import redis
 
-from bench.common import MAX_NEW_TOKENS, mean, percentile
-from bench.inproc import system_busy_s
+from bench.common import MAX_NEW_TOKENS, mean, percentile, system_busy_s, wait_for_quiet
 from bench.load import closed_loop
 from scripts import stack
 
@@ -91,7 +90,8 @@ is 32 x requests/s everywhere.
 **Noise.** The machine is shared. The "other load" columns give the CPU (in cores) that
 processes outside the benchmark used during each measurement. A measurement during which they
 used more than `--max-other-load` cores (0.3) is repeated (levels: up to 2 more times, keeping
-the quietest; in-process: up to 2 x 3 runs, the disturbed ones left out of the median). This
+the quietest; in-process: up to 2 x 3 runs, the disturbed ones left out of the median), and
+every measurement first waits (up to `--quiet-wait`, 90 s) for such load to stop. This
 matters more than one would think: torch runs one thread per core, and a step of a batch
 waits for its slowest thread, so one busy process elsewhere can slow decoding several-fold.
 
@@ -285,7 +285,8 @@ def phase_inproc(procs: Processes, model_dir: Path, args, outdir: Path) -> dict:
     out = outdir / "inproc.json"
     argv = [sys.executable, "-m", "bench.inproc", "--model", str(model_dir),
             "--batches", ",".join(map(str, args.levels)), "--reps", str(args.reps),
-            "--max-other-load", str(args.max_other_load), "--out", str(out)]
+            "--max-other-load", str(args.max_other_load), "--quiet-wait", str(args.quiet_wait),
+            "--out", str(out)]
     p = procs.start("inproc", argv)
     while p.alive():
         time.sleep(0.2)
@@ -320,17 +321,23 @@ def phase_api_hf(procs, redis_url, redis_pid, model_dir, args, levels) -> dict:
                 log(f"  first error: {res['error_sample']}")
             return res
 
-        rows.append(quietest(attempt, args))
+        rows.append(quietest(attempt, args, [st.api.pid, st.worker.pid, redis_pid]))
     mem = memory(st.api.pid)
     st.stop()
     return {"levels": rows, "memory": mem, "api_workers": 1}
 
 
-def quietest(attempt, args) -> dict:
-    """Run `attempt` again (up to --retries times) while the rest of the machine used more than
-    --max-other-load cores during it; keep the quietest run."""
+def quietest(attempt, args, pids: list[int | None] = ()) -> dict:
+    """Wait for a quiet machine (at most --quiet-wait s), run `attempt`; again (up to --retries
+    times) while the rest of the machine used more than --max-other-load cores during it; keep
+    the quietest run. `pids`: our process trees, whose CPU is not "other"."""
+
+    def ours() -> float:
+        return own_cpu_s() + sum(tree_cpu_s(p) for p in pids if p)
+
     runs = []
     for i in range(1 + args.retries):
+        wait_for_quiet(ours, args.max_other_load, getattr(args, "quiet_wait", 0.0), log)
         runs.append(attempt())
         if runs[-1]["cpu"].get("other", 0.0) <= args.max_other_load:
             break
@@ -368,7 +375,8 @@ def phase_echo(procs, redis_url, redis_pid, model_dir, args, outdir) -> dict:
         for api_workers in args.echo_api_workers:
             st.start_api(api_workers)
             log(f"echo stack with GENQ_API_WORKERS={api_workers} ready on port {st.port}")
-            runs.append(quietest(lambda: echo_once(procs, st, redis_pid, api_workers, args, outdir), args))
+            runs.append(quietest(lambda: echo_once(procs, st, redis_pid, api_workers, args, outdir), args,
+                                 [st.api.pid, st.worker.pid, redis_pid]))
             runs[-1]["memory"] = memory(st.api.pid)
             st.stop_api()
     finally:
@@ -563,8 +571,9 @@ def render(res: dict) -> str:
     a = res["args"]
     L.append(f"- Window per level: >= {a['duration']:g} s and >= {a['min_requests']} requests per client; "
              f"in-process: median of {a['reps']} runs after one warm-up; echo: {a['echo_duration']:g} s. "
-             f"A measurement during which other processes used more than {a['max_other_load']:g} cores is "
-             f"repeated (up to {a['retries']} times for levels, 2 x reps runs in-process) and the quietest kept")
+             f"Each measurement waits (up to {a['quiet_wait']:g} s) for other processes to use at most "
+             f"{a['max_other_load']:g} cores; one they disturbed anyway is repeated (up to {a['retries']} times "
+             f"for levels and echo, 2 x reps runs in-process) and the quietest kept")
     L += ["", "## Targets", ""]
     L += [f"- **{v}** {s}" for v, s in targets(res)]
 
@@ -691,6 +700,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="a measurement during which processes outside the benchmark used more CPU "
                     "cores than this is repeated (default 0.3)")
     ap.add_argument("--retries", type=int, default=2, help="repeats of a disturbed level (default 2)")
+    ap.add_argument("--quiet-wait", type=float, default=90.0,
+                    help="before each measurement, wait up to this long for the rest of the machine to "
+                    "use at most --max-other-load cores (default 90 s; 0: do not wait)")
     ap.add_argument("--worker-threads", type=int, default=None,
                     help="OMP_NUM_THREADS for the hf worker (default: unset, torch uses one per core)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
@@ -730,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "args": {"duration": args.duration, "min_requests": args.min_requests, "reps": args.reps,
                  "echo_duration": args.echo_duration, "max_other_load": args.max_other_load,
-                 "retries": args.retries, "worker_threads": args.worker_threads},
+                 "retries": args.retries, "quiet_wait": args.quiet_wait, "worker_threads": args.worker_threads},
         "api_server": api_server_desc(),
         "machine": machine_facts(),
         "model": args.model,

@@ -23,7 +23,9 @@ def test_bench_quick_run(tiny_model, redis_url):
     before = _digest(DOC)
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--model", "tiny", "--levels", "1,2", "--duration", "2", "--no-write"],
+        # --quiet-wait 0 --retries 0: on a busy machine, do not wait for quiet (numbers don't matter here).
+        [sys.executable, "-m", "bench.run", "--model", "tiny", "--levels", "1,2", "--duration", "2", "--no-write",
+         "--quiet-wait", "0", "--retries", "0"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -44,7 +46,7 @@ def test_bench_quick_run(tiny_model, redis_url):
         "## 5. API memory",
     ):
         assert heading in out, heading
-    assert "Command: `python -m bench.run --model tiny --levels 1,2 --duration 2 --no-write`" in out
+    assert "Command: `python -m bench.run --model tiny --levels 1,2 --duration 2 --no-write --quiet-wait 0 --retries 0`" in out
 
     def rows(section: str) -> list[list[str]]:
         body = out.split(section, 1)[1].split("\n#", 1)[0]
