@@ -87,6 +87,7 @@ class JobSpec(BaseModel):
     model: str
     prompt: str
     params: SamplingParams
+    stream: bool = Field(True, description="publish token events (False: nobody can follow them)")
 
 
 class GenerationResult(BaseModel):

@@ -101,12 +101,18 @@ class JobService:
                 f"prompt: {longest} characters; the limit is {self.settings.max_prompt_chars}",
             )
 
-    def submit(self, prompts: list[str], params: SamplingParams, model: str | None) -> list[str]:
-        """Record and enqueue one job per prompt; returns their ids in order."""
+    def submit(
+        self, prompts: list[str], params: SamplingParams, model: str | None, stream: bool = True
+    ) -> list[str]:
+        """Record and enqueue one job per prompt; returns their ids in order. `stream=False`
+        for jobs whose ids never reach a client: nobody could follow their token streams."""
         self.validate(prompts, params)
         model = self.resolve_model(model)
         queue = queue_for(model)
-        specs = [JobSpec(id=str(uuid.uuid4()), model=model, prompt=p, params=params) for p in prompts]
+        specs = [
+            JobSpec(id=str(uuid.uuid4()), model=model, prompt=p, params=params, stream=stream)
+            for p in prompts
+        ]
         # One round trip: the queue's depth, and the records (dropped again if it is full).
         pipe = self.r.pipeline(transaction=False)
         pipe.llen(queue)

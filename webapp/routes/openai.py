@@ -40,7 +40,7 @@ def completions():
     service.validate(prompts, params)
     model = service.resolve_model(req.model)
     service.require_worker(model)
-    ids = service.submit(prompts, params, model)
+    ids = service.submit(prompts, params, model, stream=req.stream)
     cmpl_id = f"cmpl-{ids[0]}"
     created = int(time.time())
 

@@ -19,7 +19,7 @@ from webapp.routes._body import parse
 bp = Blueprint("teaching", __name__)
 
 
-def _submit(prompts: list[str], req, engine: str | None = None) -> list[str]:
+def _submit(prompts: list[str], req, engine: str | None = None, stream: bool = False) -> list[str]:
     service = current_app.extensions["genq"]
     params = SamplingParams.model_validate(req.model_dump(exclude={"prompt", "prompts"}))
     service.validate(prompts, params)
@@ -27,7 +27,7 @@ def _submit(prompts: list[str], req, engine: str | None = None) -> list[str]:
     if not prompts:
         return []
     service.require_worker(model)
-    return service.submit(prompts, params, model)
+    return service.submit(prompts, params, model, stream)
 
 
 def _completions(ids: list[str]) -> list[str]:
@@ -61,7 +61,7 @@ def generate_vllm():
 def generate_stream():
     """One `data: {"token", "sequence_id"}` line per generated token."""
     req = parse(BasicGenerateRequest)
-    (job_id,) = _submit([req.prompt], req)
+    (job_id,) = _submit([req.prompt], req, stream=True)
     service = current_app.extensions["genq"]
 
     def chunks():

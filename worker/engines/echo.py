@@ -39,8 +39,10 @@ class EchoEngine(Engine):
             model=self.model,
         )
         usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
-        events = [(spec.id, TokenEvent(i, t)) for i, t in enumerate(tokens)]
-        events.append((spec.id, TokenEvent(len(tokens), "", finish="length", usage=usage)))
+        events = []
+        if spec.stream:
+            events = [(spec.id, TokenEvent(i, t)) for i, t in enumerate(tokens)]
+            events.append((spec.id, TokenEvent(len(tokens), "", finish="length", usage=usage)))
         future: Future[GenerationResult] = Future()
         self.sink.emit(events, [(future, result)])
         with self._lock:

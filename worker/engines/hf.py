@@ -298,7 +298,8 @@ class HFEngine(Engine):
         return ""
 
     def _stream(self, seq: _Seq, text: str, **final) -> None:
-        self._events.append((seq.spec.id, TokenEvent(seq.events, text, **final)))
+        if seq.spec.stream:
+            self._events.append((seq.spec.id, TokenEvent(seq.events, text, **final)))
         seq.events += 1
 
     def _resolve(self, seq: _Seq, reason: str, text: str | None = None) -> bool:

@@ -117,7 +117,8 @@ class VLLMEngine(Engine):
                         finish, stop_reason = completion.finish_reason, completion.stop_reason
                         last = completion.text
                         break
-                    self.sink.emit([(spec.id, TokenEvent(index, completion.text))], [])
+                    if spec.stream:
+                        self.sink.emit([(spec.id, TokenEvent(index, completion.text))], [])
                     index += 1
         except TimeoutError:
             await self.llm.abort(spec.id)
@@ -145,4 +146,5 @@ class VLLMEngine(Engine):
             model=self.model,
         )
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens}
-        self.sink.emit([(spec.id, TokenEvent(index, last, finish=reason, usage=usage))], [(future, result)])
+        final = [(spec.id, TokenEvent(index, last, finish=reason, usage=usage))] if spec.stream else []
+        self.sink.emit(final, [(future, result)])
