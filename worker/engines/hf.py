@@ -178,8 +178,12 @@ class HFEngine(Engine):
         self._reap(new)
         if new:
             self._admit(new)
+            self._flush()  # the new jobs' first tokens go out now, not a decode step later
         if self._seqs:
             self._decode()
+        self._flush()
+
+    def _flush(self) -> None:
         if self._events or self._resolved:
             self.sink.emit(self._events, self._resolved)
             self._events, self._resolved = [], []
