@@ -37,6 +37,21 @@ end
 return {1, cur}
 """
 
+# Creates the records of queued jobs unless the queue already holds `max_depth` messages.
+# KEYS: the queue, then one record key per job. ARGV: max depth, TTL, the number of fields per
+# record, then each record's field/value pairs in order. Returns the depth, negated if refused.
+_CREATE = """
+local depth = redis.call('LLEN', KEYS[1])
+if depth + #KEYS - 1 > tonumber(ARGV[1]) then return -depth - 1 end
+local n = tonumber(ARGV[3]) * 2
+for i = 2, #KEYS do
+  local base = 3 + (i - 2) * n
+  redis.call('HSET', KEYS[i], unpack(ARGV, base + 1, base + n))
+  redis.call('EXPIRE', KEYS[i], ARGV[2])
+end
+return depth
+"""
+
 ACTIVE = (JobStatus.queued, JobStatus.running)
 MAX_BLOCK_S = 3.0
 
@@ -46,24 +61,24 @@ class JobStore:
         self.r = client
         self.ttl = ttl
         self._transition = client.register_script(_TRANSITION)
+        self._create = client.register_script(_CREATE)
 
-    def create(self, spec: JobSpec, pipe: redis.client.Pipeline | None = None) -> None:
-        """Write the record of a queued job; into `pipe` when given (the caller executes)."""
-        key = keys.job(spec.id)
-        fields = {
-            "id": spec.id,
-            "model": spec.model,
-            "status": JobStatus.queued.value,
-            "created": repr(time.time()),
-            "params": spec.params.model_dump_json(exclude_defaults=True),
-            "attempts": 0,
-        }
-        own = pipe is None
-        pipe = self.r.pipeline(transaction=True) if own else pipe
-        pipe.hset(key, mapping=fields)
-        pipe.expire(key, self.ttl)
-        if own:
-            pipe.execute()
+    def create(self, specs: list[JobSpec], queue: str, max_depth: int) -> tuple[bool, int]:
+        """Record queued jobs, atomically with a look at their queue: unless it already holds
+        too many waiting messages. Returns (created, the queue's depth)."""
+        now = repr(time.time())
+        args: list = [max_depth, self.ttl, 6]
+        for spec in specs:
+            args += [
+                "id", spec.id,
+                "model", spec.model,
+                "status", JobStatus.queued.value,
+                "created", now,
+                "params", spec.params.model_dump_json(exclude_defaults=True),
+                "attempts", 0,
+            ]  # fmt: skip
+        depth = self._create(keys=[queue, *(keys.job(s.id) for s in specs)], args=args)
+        return depth >= 0, depth if depth >= 0 else -depth - 1
 
     def get(self, job_id: str) -> dict[str, str] | None:
         rec = self.r.hgetall(keys.job(job_id))

@@ -113,14 +113,8 @@ class JobService:
             JobSpec(id=str(uuid.uuid4()), model=model, prompt=p, params=params, stream=stream)
             for p in prompts
         ]
-        # One round trip: the queue's depth, and the records (dropped again if it is full).
-        pipe = self.r.pipeline(transaction=False)
-        pipe.llen(queue)
-        for spec in specs:
-            self.store.create(spec, pipe)
-        depth = pipe.execute()[0]
-        if depth + len(prompts) > self.settings.max_queue_depth:
-            self.r.delete(*(keys.job(s.id) for s in specs))
+        created, depth = self.store.create(specs, queue, self.settings.max_queue_depth)
+        if not created:
             raise APIError(
                 429,
                 "queue_full",
@@ -133,8 +127,13 @@ class JobService:
 
     def _publish(self, spec: JobSpec, queue: str) -> None:
         try:
+            # argsrepr: logs and monitoring name the job, never its prompt (user data).
             self.celery.send_task(
-                GENERATE_TASK, args=[spec.model_dump(mode="json")], task_id=spec.id, queue=queue
+                GENERATE_TASK,
+                args=[spec.model_dump(mode="json")],
+                task_id=spec.id,
+                queue=queue,
+                argsrepr=f"job {spec.id}",
             )
         except (KombuError, redis.RedisError, OSError) as exc:
             log.exception("could not enqueue job %s", spec.id)

@@ -89,8 +89,10 @@ def main() -> None:
 
     @worker_ready.connect(weak=False)
     def _announce(**_):
-        # One INFO line per job with its whole result is noise at hundreds of jobs a second.
-        logging.getLogger("celery.app.trace").setLevel(logging.WARNING)
+        # Two INFO lines per job (received; succeeded with its whole result) are noise at
+        # hundreds of jobs a second, and the result is user data.
+        for name in ("celery.app.trace", "celery.worker.strategy"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         heartbeat.start()
         log.info("worker %s ready on queue %s", name, queue)
 

@@ -54,17 +54,18 @@ class StreamPublisher:
                 return
 
     def _write(self, batch: list[tuple[list[tuple[str, TokenEvent]], list[Resolved]]]) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        for events, _ in batch:
-            for job_id, event in events:
-                key = keys.stream(job_id)
-                pipe.xadd(key, event.fields(), maxlen=self.maxlen, approximate=True)
-                if event.index == 0 or event.finish:
-                    pipe.expire(key, self.ttl)
-        try:
-            pipe.execute()
-        except redis.RedisError:
-            log.exception("could not write token events; their streams are incomplete")
+        if any(events for events, _ in batch):
+            pipe = self.r.pipeline(transaction=False)
+            for events, _ in batch:
+                for job_id, event in events:
+                    key = keys.stream(job_id)
+                    pipe.xadd(key, event.fields(), maxlen=self.maxlen, approximate=True)
+                    if event.index == 0 or event.finish:
+                        pipe.expire(key, self.ttl)
+            try:
+                pipe.execute()
+            except redis.RedisError:
+                log.exception("could not write token events; their streams are incomplete")
         for _, resolved in batch:
             for future, result in resolved:
                 future.set_result(result)
