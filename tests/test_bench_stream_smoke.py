@@ -30,7 +30,7 @@ def test_bench_stream_quick_run(tiny_model, redis_url):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,  # ~35 s expected on the 2-core machine; generous for noise (a disturbed level is repeated)
+        timeout=240,  # ~35 s expected alone; a machine busy with other work can take several times that
         env={**os.environ, "REDIS_URL": redis_url},
     )
     took = time.monotonic() - started
