@@ -140,13 +140,25 @@ class Processes:
         if item in self.items:
             self.items.remove(item)
 
-    def close(self) -> None:
-        while self.items:
-            item = self.items.pop()
-            try:
-                item.stop()
-            except Exception as exc:  # keep stopping the rest
-                log(f"stopping {getattr(item, 'name', item)} failed: {exc!r}")
+    def close(self) -> bool:
+        """Stop everything. SIGINT/SIGTERM arriving meanwhile do not cut this short (that would
+        leave children running in their own sessions); returns whether one arrived."""
+        got: list[int] = []
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
+        try:
+            while self.items:
+                item = self.items.pop()
+                try:
+                    item.stop()
+                except Exception as exc:  # keep stopping the rest
+                    log(f"stopping {getattr(item, 'name', item)} failed: {exc!r}")
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        return bool(got)
 
 
 def tree_cpu_s(pid: int | None) -> float:
@@ -694,6 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     res["params_m"] = marker.get("parameters", 0) / 1e6
 
     procs = Processes(outdir)
+    interrupted = False
     try:
         log("in-process prefill (nothing else of the benchmark runs)")
         out = outdir / "inproc.json"
@@ -752,9 +765,11 @@ def main(argv: list[str] | None = None) -> int:
         res["levels"] = rows
     except KeyboardInterrupt:
         log("interrupted; stopping everything")
-        return 130
+        interrupted = True
     finally:
-        procs.close()
+        interrupted |= procs.close()  # a signal during the clean-up waits for its end
+    if interrupted:
+        return 130
     res["loadavg_end"] = os.getloadavg()
     res["elapsed_s"] = time.monotonic() - started
     (outdir / "results.json").write_text(json.dumps(res, indent=1, default=str))

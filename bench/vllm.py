@@ -386,8 +386,7 @@ def reading(res: dict) -> list[str]:
                    + " (ours vs vLLM's API server). At the throughput measured that is "
                    + ", ".join(f"{o['clients']}: {sum(o['cpu'].get(k, 0) for k in ('api', 'worker', 'redis')):.2f}"
                                for o in ours["levels"])
-                   + " cores for our front end: small next to the engine, but it runs on the core the EngineCore "
-                   "loop needs.")
+                   + " cores for our front end, on the same two cores as the engine's processes.")
     noisy = [f"{side} at {r['clients']} ({r['cpu'].get('other', 0):.2f} cores)" for side, rs in
              (("ours", ours["levels"]), ("vLLM", theirs["levels"])) for r in rs if r["cpu"].get("other", 0) > 0.1]
     if noisy:
@@ -596,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     res["params_m"] = json.loads((model_dir / devmodels.MARKER_NAME).read_text()).get("parameters", 0) / 1e6
     res["vllm_env"] = vllm_env_versions()
     procs = Processes(outdir)
+    interrupted = False
     try:
         log(f"ours: API + vLLM worker at levels {args.levels}, {args.duration:g} s each")
         res["ours"] = run_ours(procs, model_dir, args, outdir)
@@ -604,9 +604,11 @@ def main(argv: list[str] | None = None) -> int:
         res["theirs"] = run_theirs(procs, model_dir, args, outdir)
     except KeyboardInterrupt:
         log("interrupted; stopping everything")
-        return 130
+        interrupted = True
     finally:
-        procs.close()
+        interrupted |= procs.close()  # a signal during the clean-up waits for its end
+    if interrupted:
+        return 130
     res["loadavg_end"] = os.getloadavg()
     res["elapsed_s"] = time.monotonic() - started
     (outdir / "results.json").write_text(json.dumps(res, indent=1, default=str))
