@@ -46,6 +46,7 @@ import uuid
 from pathlib import Path
 
 from bench.common import MAX_NEW_TOKENS, PROMPTS, mean, median, percentile
+from bench.run import job_stats, machine_facts, redis_version, table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LEVELS = "1,8,32"
@@ -223,71 +224,6 @@ def quietest(attempt, args) -> dict:
     best["attempts"] = len(runs)
     best["noisy"] = best["cpu"].get("other", 0.0) > args.max_other_load
     return best
-
-
-def machine_facts() -> dict:
-    import platform
-
-    import psutil
-
-    cpu_model = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_model": cpu_model,
-        "ram_gib": psutil.virtual_memory().total / 2**30,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "loadavg_start": os.getloadavg(),
-    }
-
-
-def redis_version(url: str) -> str:
-    import redis
-
-    try:
-        return redis.Redis.from_url(url).info("server").get("redis_version", "?")
-    except redis.RedisError:
-        return "?"
-
-
-def table(headers: list[str], rows: list[list]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(out)
-
-
-def job_stats(r, model: str, t0: float, t1: float) -> dict:
-    """Queue wait, run time and batch size of this model's jobs that finished in [t0, t1]."""
-    ids = [k.split(":", 2)[2] for k in r.scan_iter("genq:job:*", count=1000)]
-    pipe = r.pipeline(transaction=False)
-    for i in ids:
-        pipe.hmget(f"genq:job:{i}", "model", "status", "created", "started", "finished")
-    picked = []
-    for i, (m, status, created, started, finished) in zip(ids, pipe.execute()):
-        if m == model and status == "succeeded" and started and finished and t0 <= float(finished) <= t1:
-            picked.append((i, float(created), float(started), float(finished)))
-    batches = []
-    if picked:
-        for raw in r.mget([f"celery-task-meta-{i}" for i, *_ in picked]):
-            try:
-                batches.append(json.loads(raw)["result"]["batch_size"])
-            except (TypeError, ValueError, KeyError):
-                pass
-    return {
-        "jobs": len(picked),
-        "queued_s": mean(s - c for _, c, s, _ in picked),
-        "run_s": mean(f - s for _, _, s, f in picked),
-        "total_s": mean(f - c for _, c, _, f in picked),
-        "batch_size_mean": mean(batches),
-        "batch_size_max": max(batches, default=math.nan),
-    }
 
 
 # -- in-process prefill (runs as a subprocess: `--inproc-child`) -----------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from webapp.errors import APIError
