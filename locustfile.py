@@ -22,6 +22,16 @@ User classes
 ``BatchGenerateUser``
     ``POST /generate`` with a few prompts; ``generated_texts`` must hold one
     text per prompt, each starting with its prompt.
+``StreamingUser``
+    ``POST /v1/jobs`` then reads ``GET /v1/jobs/<id>/stream`` (SSE) to its
+    ``done`` event.  What matters for LLM serving gets entries of its own in the
+    statistics (web UI, ``--csv``): request type ``TTFT`` (submit to the first
+    token), ``ITL`` (each gap between two tokens), both named
+    ``/v1/jobs/[id]/stream``, and ``QUEUE`` (the job record's queue time, also
+    reported by ``JobsUser``)::
+
+        locust -f locustfile.py --headless -u 8 -r 8 -t 60s \\
+            --host http://127.0.0.1:8000 --csv out/genq StreamingUser
 
 Every user waits ``constant(0)`` between tasks (closed loop: each user has at
 most one request in flight).  A 429 (queue full) is reported as a failure named
@@ -59,7 +69,7 @@ PROMPTS = [
     "Redis is a",
 ]
 
-TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "expired"})
 
 QUEUE_FULL_FAILURE = "429 Too Many Requests (queue full)"
 
@@ -67,6 +77,11 @@ JOB_SUBMIT_NAME = "/v1/jobs"
 JOB_POLL_NAME = "/v1/jobs/[id]?wait"
 JOB_E2E_NAME = "/v1/jobs (end-to-end)"
 JOB_E2E_TYPE = "JOB"
+
+# Measurements of their own (request types) beside the HTTP requests.
+TTFT_TYPE, ITL_TYPE, QUEUE_TYPE = "TTFT", "ITL", "QUEUE"
+STREAM_NAME = "/v1/jobs/[id]/stream"
+QUEUE_NAME = "queue time (job record)"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -146,6 +161,43 @@ class _GenqUser(HttpUser):
         if delay > 0:
             _sleep(delay)
 
+    def _fire(self, request_type: str, name: str, seconds: float, exception: Exception | None = None) -> None:
+        """A measurement of its own in locust's statistics (web UI, CSV), not an HTTP request."""
+        self.environment.events.request.fire(
+            request_type=request_type, name=name, response_time=seconds * 1000.0, response_length=0,
+            response=None, context={}, exception=exception,
+        )
+
+    def _report_queue_time(self, job: dict | None) -> None:
+        """The job record's queue time (created by the API -> started by a worker), if it has one."""
+        queued = ((job or {}).get("timings") or {}).get("queued_s")
+        if isinstance(queued, (int, float)):
+            self._fire(QUEUE_TYPE, QUEUE_NAME, queued)
+
+    def _job_body(self) -> dict:
+        body: dict = {"prompt": random.choice(PROMPTS), "max_new_tokens": MAX_NEW_TOKENS}
+        if MODEL:
+            body["model"] = MODEL
+        return body
+
+    def _submit(self, body: dict) -> str | None:
+        """POST /v1/jobs; the job's id, or None (a failure was reported)."""
+        with self.client.post(
+            "/v1/jobs", json=body, name=JOB_SUBMIT_NAME, catch_response=True, timeout=REQUEST_TIMEOUT
+        ) as resp:
+            if self._handle_queue_full(resp):
+                return None
+            if resp.status_code != 202:
+                resp.failure(f"submit: expected 202, got {resp.status_code}")
+                return None
+            data = _json(resp)
+            job_id = data.get("id") if isinstance(data, dict) else None
+            if not job_id:
+                resp.failure("submit: 202 without a job id")
+                return None
+            resp.success()
+            return job_id
+
     def _post_checked(self, path: str, body: dict, check) -> None:
         """POST `body`; a 200 whose JSON `check` finds nothing wrong with is a success."""
         with self.client.post(path, json=body, name=path, catch_response=True, timeout=REQUEST_TIMEOUT) as resp:
@@ -180,27 +232,8 @@ class JobsUser(_GenqUser):
 
     @task
     def submit_and_wait(self) -> None:
-        prompt = random.choice(PROMPTS)
-        body: dict = {"prompt": prompt, "max_new_tokens": MAX_NEW_TOKENS}
-        if MODEL:
-            body["model"] = MODEL
-
         started = time.perf_counter()
-        job_id = None
-        with self.client.post(
-            "/v1/jobs", json=body, name=JOB_SUBMIT_NAME, catch_response=True, timeout=REQUEST_TIMEOUT
-        ) as resp:
-            if self._handle_queue_full(resp):
-                pass
-            elif resp.status_code != 202:
-                resp.failure(f"submit: expected 202, got {resp.status_code}")
-            else:
-                data = _json(resp)
-                job_id = data.get("id") if isinstance(data, dict) else None
-                if not job_id:
-                    resp.failure("submit: 202 without a job id")
-                else:
-                    resp.success()
+        job_id = self._submit(self._job_body())
         if job_id is None:
             self._pause_if_backing_off()
             return
@@ -241,6 +274,7 @@ class JobsUser(_GenqUser):
             if status == "succeeded":
                 text = data["result"]["text"]
                 self._report_job(started, None, len(text))
+                self._report_queue_time(data)
                 return
             if status is None or status in TERMINAL_STATUSES or status == "invalid":
                 # Unusable poll or a terminal non-success: the job as a whole failed.
@@ -289,3 +323,58 @@ class BatchGenerateUser(_GenqUser):
             return None
 
         self._post_checked("/generate", {"prompts": prompts}, check)
+
+
+class StreamingUser(_GenqUser):
+    """Submit a job, then read its token stream (SSE) to the end: time to first token (from the
+    submit) and each gap between two tokens are entries of their own (`TTFT` and `ITL`, named
+    like the stream), and the job's queue time from its record (`QUEUE`)."""
+
+    weight = 1
+
+    @task
+    def stream(self) -> None:
+        started = time.perf_counter()
+        job_id = self._submit(self._job_body())
+        if job_id is None:
+            self._pause_if_backing_off()
+            return
+        last = None
+        with self.client.get(
+            f"/v1/jobs/{job_id}/stream", name=STREAM_NAME, stream=True, catch_response=True,
+            timeout=REQUEST_TIMEOUT,
+        ) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"stream: expected 200, got {resp.status_code}")
+                return
+            event, ended = "message", None
+            for line in resp.iter_lines(decode_unicode=True):
+                if line.startswith("event: "):
+                    event = line[len("event: "):]
+                elif line.startswith("data: ") and event in ("token", "done"):
+                    now = time.perf_counter()
+                    if last is None:
+                        self._fire(TTFT_TYPE, STREAM_NAME, now - started)
+                    elif event == "token":
+                        self._fire(ITL_TYPE, STREAM_NAME, now - last)
+                    last = now
+                    if event == "done":
+                        ended = "done"
+                        break
+                elif line.startswith("data: "):
+                    ended = f"stream ended with {event}: {line[len('data: '):][:200]}"
+                    break
+                elif line == "":
+                    event = "message"
+            if ended == "done":
+                resp.success()
+            else:
+                resp.failure(ended or "stream closed before its done event")
+                return
+        with self.client.get(f"/v1/jobs/{job_id}", name=JOB_POLL_NAME, catch_response=True,
+                             timeout=REQUEST_TIMEOUT) as resp:
+            if resp.status_code == 200:
+                resp.success()
+                self._report_queue_time(_json(resp))
+            else:
+                resp.failure(f"job record: expected 200, got {resp.status_code}")

@@ -1,11 +1,26 @@
-"""What every benchmark phase shares: the prompts, the generation length, small statistics."""
+"""What every benchmark shares: the prompts, the generation length, small statistics, CPU
+meters, the processes a benchmark starts (Redis, an API and its workers), the Markdown report
+helpers and the `main` scaffolding (signals, output folder, results.json, the page below its
+marker line). The closed-loop HTTP driver is bench/load.py."""
 
 from __future__ import annotations
 
+import argparse
+import datetime as dt
+import json
 import math
 import os
+import platform
+import shlex
+import signal
+import sys
+import threading
 import time
+import uuid
+from pathlib import Path
 from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
 
 #: Every request asks for exactly this many tokens (EOS is ignored), so tokens/s = 32 x req/s.
 MAX_NEW_TOKENS = 32
@@ -94,3 +109,506 @@ def wait_for_quiet(ours: Callable[[], float], max_other: float, timeout: float, 
             if log:
                 log("  the machine did not get quiet; measuring anyway")
             return False
+
+
+
+
+# -- logging and CPU --------------------------------------------------------------------------
+
+
+def make_log(tag: str) -> Callable[[str], None]:
+    def log(msg: str) -> None:
+        print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+log = make_log("bench")
+
+
+def own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def tree(pid: int | None) -> list:
+    """The process and all its descendants (psutil.Process objects); [] if it is gone."""
+    import psutil
+
+    if not pid:
+        return []
+    try:
+        p = psutil.Process(pid)
+        return [p, *p.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def cpu_s(procs) -> float:
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def tree_cpu_s(pid: int | None) -> float:
+    return cpu_s(tree(pid)) if pid else math.nan
+
+
+class CpuMeter:
+    """CPU of named groups of processes (and of the rest of the machine) over a window, in
+    cores; use as `on_window` of bench.load.closed_loop. A group is a pid (its process tree,
+    looked up at each sample), a list of pids, or a callable returning psutil processes (called
+    once as the window opens: each process counted once, e.g. a tree split in parts).
+    `other` is what processes outside the groups and this one used meanwhile."""
+
+    def __init__(self, groups: dict):
+        self.groups = groups
+        self.procs: dict[str, list | None] = {}
+        self.start: dict[str, float] = {}
+        self.result: dict[str, float] = {}
+
+    def _cpu(self, name) -> float:
+        g = self.groups[name]
+        if callable(g):
+            return cpu_s(self.procs[name])
+        pids = g if isinstance(g, (list, tuple)) else [g]
+        return sum(tree_cpu_s(p) for p in pids if p) if any(pids) else math.nan
+
+    def _sample(self) -> dict[str, float]:
+        s = {name: self._cpu(name) for name in self.groups}
+        s["client"] = own_cpu_s()
+        s["_system"], s["_t"] = system_busy_s(), time.monotonic()
+        return s
+
+    def __call__(self, event: str) -> None:
+        if event == "start":
+            self.procs = {n: g() if callable(g) else None for n, g in self.groups.items()}
+            self.start = self._sample()
+            return
+        end = self._sample()
+        d = {k: end[k] - self.start[k] for k in end}
+        wall, system = d.pop("_t"), d.pop("_system")
+        ours = sum(v for v in d.values() if not math.isnan(v))
+        d["other"] = max(0.0, system - ours)
+        self.result = {k: v / wall for k, v in d.items()}
+        self.result["_wall"] = wall
+        self.result["_cpu_s"] = d
+
+
+def quietest(attempt: Callable[[], dict], args, pids=(), log: Callable[[str], None] = log) -> dict:
+    """Wait for a quiet machine (at most --quiet-wait s, where the benchmark has it), run
+    `attempt`; again (up to --retries times) while the rest of the machine used more than
+    --max-other-load cores during it; keep the quietest run. `pids`: our process trees, whose
+    CPU is not "other"."""
+
+    def ours() -> float:
+        return own_cpu_s() + sum(tree_cpu_s(p) for p in pids if p)
+
+    runs = []
+    for i in range(1 + args.retries):
+        wait_for_quiet(ours, args.max_other_load, getattr(args, "quiet_wait", 0.0), log)
+        runs.append(attempt())
+        if runs[-1]["cpu"].get("other", 0.0) <= args.max_other_load:
+            break
+        if i < args.retries:
+            log(f"  other load above {args.max_other_load:g} cores: measuring again")
+    best = min(runs, key=lambda x: x["cpu"].get("other", 0.0))
+    best["attempts"] = len(runs)
+    best["noisy"] = best["cpu"].get("other", 0.0) > args.max_other_load
+    return best
+
+
+def per_request_ms(r: dict, key: str) -> float:
+    """CPU ms per counted request of one group in a measured level (`cpu` from a CpuMeter)."""
+    return r["cpu"].get(key, math.nan) * r["cpu"].get("_wall", 0) / r["requests"] * 1000 if r["requests"] else math.nan
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+class Processes:
+    """Everything a benchmark starts, stopped in reverse order by `close()`."""
+
+    def __init__(self, logdir: Path, log: Callable[[str], None] = log):
+        self.logdir = logdir
+        self.log = log
+        self.items: list = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None):
+        from scripts import stack
+
+        p = stack.Proc(name, argv, env, self.logdir / f"{name}.log")
+        self.items.append(p)
+        return p
+
+    def redis(self):
+        from scripts import stack
+
+        r = stack.PrivateRedis()
+        self.items.append(r)
+        return r
+
+    def stop(self, item) -> None:
+        item.stop()
+        if item in self.items:
+            self.items.remove(item)
+
+    def run(self, name: str, argv: list[str], poll: float = 0.1):
+        """Start a process, wait for it to exit, raise if it failed."""
+        p = self.start(name, argv)
+        while p.alive():
+            time.sleep(poll)
+        self.stop(p)
+        if p.popen.returncode != 0:
+            raise RuntimeError(f"{name} failed ({p.popen.returncode}):\n{p.tail()}")
+        return p
+
+    def close(self) -> bool:
+        """Stop everything. SIGINT/SIGTERM arriving meanwhile do not cut this short (that would
+        leave children running in their own sessions); returns whether one arrived."""
+        got: list[int] = []
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
+        try:
+            while self.items:
+                item = self.items.pop()
+                try:
+                    item.stop()
+                except Exception as exc:  # keep stopping the rest
+                    self.log(f"stopping {getattr(item, 'name', item)} failed: {exc!r}")
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        return bool(got)
+
+
+class RedisTarget:
+    """REDIS_URL when it answers, else a private redis-server of the benchmark's own."""
+
+    def __init__(self, procs: Processes, private: bool = False):
+        from scripts import stack
+
+        url = os.environ.get("REDIS_URL")
+        self.proc = None
+        if not private and stack.redis_answers(url):
+            self.url, self.pid, self.kind = url, None, "REDIS_URL"
+        else:
+            self.proc = procs.redis()
+            self.url, self.pid, self.kind = self.proc.url, self.proc.proc.pid, "private redis-server"
+        self.version = redis_version(self.url)
+
+
+def redis_version(url: str) -> str:
+    import redis
+
+    try:
+        return redis.Redis.from_url(url).info("server").get("redis_version", "?")
+    except redis.RedisError:
+        return "?"
+
+
+class Stack:
+    """An API and its workers serving a model name of their own (own queue)."""
+
+    def __init__(self, procs: Processes, redis_url: str, model_dir: Path | str, engine: str, label: str,
+                 max_batch_size: int = 64, **env: str):
+        self.procs = procs
+        self.name = f"bench-{label}-{uuid.uuid4().hex[:6]}"
+        self.engine, self.label = engine, label
+        self.env = {
+            "REDIS_URL": redis_url,
+            "GENQ_MODEL": str(model_dir),
+            "GENQ_MODEL_NAME": self.name,
+            "GENQ_HOST": "127.0.0.1",
+            "GENQ_MAX_BATCH_SIZE": str(max_batch_size),
+            "GENQ_ENGINE": engine,
+            **env,
+        }
+        self.workers: list = []
+        self.api = None
+        self.port = 0
+
+    @property
+    def worker(self):
+        return self.workers[0] if self.workers else None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_worker(self, **env: str):
+        from scripts import stack
+
+        n = len(self.workers)
+        w = self.procs.start(f"{self.label}-worker{n or ''}", stack.worker_argv(self.engine), {**self.env, **env})
+        self.workers.append(w)
+        return w
+
+    def start_api(self, api_workers: int, ready_workers: int = 1, what: str = "a ready worker") -> None:
+        from scripts import stack
+
+        self.port = stack.free_port()
+        env = {**self.env, "GENQ_PORT": str(self.port), "GENQ_API_WORKERS": str(api_workers)}
+        self.api = self.procs.start(f"{self.label}-api{api_workers}", stack.api_argv(), env)
+        stack.wait_until(lambda: stack.http_get(self.base + "/healthz")[0] == 200, 60, "the API",
+                         [self.api, *self.workers])
+        self.wait_ready(ready_workers, what)
+
+    def wait_ready(self, n: int = 1, what: str = "a ready worker", timeout: float = 600) -> None:
+        """Until the API's /readyz counts at least `n` live workers."""
+        from scripts import stack
+
+        def ready() -> bool:
+            code, body = stack.http_get(self.base + "/readyz")
+            return code == 200 and len(json.loads(body).get("workers", [None])) >= n
+
+        stack.wait_until(ready, timeout, what, [self.api, *self.workers])
+
+    def stop_api(self) -> None:
+        if self.api:
+            self.procs.stop(self.api)
+            self.api = None
+
+    def stop(self) -> None:
+        self.stop_api()
+        while self.workers:
+            self.procs.stop(self.workers.pop())
+
+
+def job_stats(r, model: str, t0: float, t1: float) -> dict:
+    """Queue wait, run time and batch size of this model's jobs that finished in [t0, t1]."""
+    ids = [k.split(":", 2)[2] for k in r.scan_iter("genq:job:*", count=1000)]
+    pipe = r.pipeline(transaction=False)
+    for i in ids:
+        pipe.hmget(f"genq:job:{i}", "model", "status", "created", "started", "finished")
+    picked = []
+    for i, (m, status, created, started, finished) in zip(ids, pipe.execute()):
+        if m == model and status == "succeeded" and started and finished and t0 <= float(finished) <= t1:
+            picked.append((i, float(created), float(started), float(finished)))
+    batches = []
+    if picked:
+        for raw in r.mget([f"celery-task-meta-{i}" for i, *_ in picked]):
+            try:
+                batches.append(json.loads(raw)["result"]["batch_size"])
+            except (TypeError, ValueError, KeyError):
+                pass
+    return {
+        "jobs": len(picked),
+        "queued_s": mean(s - c for _, c, s, _ in picked),
+        "queued_p50_s": median([s - c for _, c, s, _ in picked]),
+        "run_s": mean(f - s for _, _, s, f in picked),
+        "total_s": mean(f - c for _, c, _, f in picked),
+        "batch_size_mean": mean(batches),
+        "batch_size_max": max(batches, default=math.nan),
+    }
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def fmt(x, nd: int = 2, unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.{nd}f}{unit}"
+
+
+def ms(x, nd: int = 1) -> str:
+    return fmt(x * 1000 if x is not None else None, nd)
+
+
+def noise(r: dict) -> str:
+    """The "other load" cell: cores used outside the benchmark, tries, `!` if still above."""
+    s = fmt(r["cpu"].get("other"))
+    if r.get("attempts", 1) > 1:
+        s += f" ({r['attempts']} tries)"
+    return s + (" !" if r.get("noisy") else "")
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def machine_facts() -> dict:
+    import psutil
+
+    cpu_model = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "ram_gib": psutil.virtual_memory().total / 2**30,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+def run_lines(res: dict) -> list[str]:
+    """The first lines of a page's "Run" section: command, date, machine."""
+    m = res["machine"]
+    return [
+        f"- Command: `{res['command']}`",
+        f"- Date: {res['date']} (took {res['elapsed_s'] / 60:.1f} min)",
+        f"- Machine: {m['nproc']} CPUs (nproc), {m['cpu_model']}, {m['ram_gib']:.1f} GiB RAM, Linux {m['kernel']}; "
+        f"load average at start {', '.join(f'{x:.2f}' for x in m['loadavg_start'])}, at end "
+        f"{', '.join(f'{x:.2f}' for x in res['loadavg_end'])}",
+    ]
+
+
+def write_doc(path: Path, intro: str, marker: str, generated: str) -> None:
+    """Write `generated` (which starts with `marker`) below the hand-written part of the
+    existing page (everything above the marker), or below `intro` for a new page."""
+    if path.exists():
+        old = path.read_text()
+        if marker in old:
+            intro = old.split(marker, 1)[0].rstrip() + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(intro + "\n" + generated)
+    os.replace(tmp, path)
+
+
+# -- main scaffolding -------------------------------------------------------------------------
+
+
+def model_dirs() -> dict[str, Path]:
+    from scripts import stack
+
+    return {"opt-125m": ROOT / ".models" / "opt-125m", "tiny": stack.TINY_MODEL_DIR}
+
+
+def parser(prog: str, doc: str, *, levels: str | None = None, out: str | None = None,
+           quiet_wait: bool = False, render: bool = False, model: bool = True) -> argparse.ArgumentParser:
+    """The options every benchmark of the model path shares."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    if model:
+        ap.add_argument("--model", choices=sorted(model_dirs()), default="opt-125m",
+                        help="dev checkpoint to build (worker/devmodels.py) and serve (default opt-125m)")
+    if levels is not None:
+        ap.add_argument("--levels", default=levels, help=f"concurrent clients (default {levels})")
+        ap.add_argument("--duration", type=float, default=20.0, help="seconds per level (default 20)")
+        ap.add_argument("--min-requests", type=int, default=3,
+                        help="requests each client completes per level (default 3)")
+    ap.add_argument("--max-other-load", type=float, default=0.3,
+                    help="a measurement during which processes outside the benchmark used more CPU "
+                    "cores than this is repeated (default 0.3)")
+    ap.add_argument("--retries", type=int, default=2, help="repeats of a disturbed measurement (default 2)")
+    if quiet_wait:
+        ap.add_argument("--quiet-wait", type=float, default=90.0,
+                        help="before each measurement, wait up to this long for the rest of the machine to "
+                        "use at most --max-other-load cores (default 90 s; 0: do not wait)")
+    if out is not None:
+        ap.add_argument("--out", type=Path, default=ROOT / "docs" / out)
+        ap.add_argument("--no-write", action="store_true", help="print the report only")
+    if render:
+        ap.add_argument("--render", type=Path, metavar="RESULTS_JSON",
+                        help="only write the report of an earlier run from its results.json")
+    return ap
+
+
+def int_list(ap: argparse.ArgumentParser, text: str, what: str = "--levels") -> list[int]:
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"{what} takes comma-separated integers")
+    if not values or min(values) < 1:
+        ap.error(f"{what} needs positive integers")
+    return values
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt, even where a non-interactive shell started
+    this in the background with SIGINT ignored; SIGHUP too unless the caller ignores it (nohup)."""
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _raise_interrupt)
+
+
+def run_bench(prog: str, args, raw_argv: list[str] | None, measure: Callable[[Processes, dict, Path], None], *,
+              out_prefix: str = "", log: Callable[[str], None] = log, **extra) -> dict | None:
+    """What every benchmark's main does around its measurements: signals stop everything, an
+    output folder bench/out/<prefix><timestamp>/ for logs and results.json, the run's facts
+    (command, date, machine, arguments; with --model the checkpoint, built if needed), then
+    `measure(procs, res, outdir)` fills `res`; whatever it started is stopped on every exit.
+    Returns `res`, or None when interrupted."""
+    raw_argv = sys.argv[1:] if raw_argv is None else raw_argv
+    stop_on_signals()
+    started = time.monotonic()
+    outdir = ROOT / "bench" / "out" / f"{out_prefix}{time.strftime('%Y%m%d-%H%M%S')}"
+    outdir.mkdir(parents=True, exist_ok=True)
+    res: dict = {
+        "command": " ".join([f"python -m {prog}", *map(shlex.quote, raw_argv)]),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_facts(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        **extra,
+    }
+    if getattr(args, "model", None):
+        from worker import devmodels
+
+        log(f"checkpoint {args.model}: building if needed")
+        model_dir = devmodels.ensure(args.model, model_dirs()[args.model])
+        res.update(model=args.model, model_dir_abs=str(model_dir), model_dir=os.path.relpath(model_dir, ROOT),
+                   params_m=json.loads((model_dir / devmodels.MARKER_NAME).read_text()).get("parameters", 0) / 1e6)
+    procs = Processes(outdir, log)
+    interrupted = False
+    try:
+        measure(procs, res, outdir)
+    except KeyboardInterrupt:
+        log("interrupted; stopping everything")
+        interrupted = True
+    finally:
+        interrupted |= procs.close()  # a signal during the clean-up waits for its end
+    if interrupted:
+        return None
+    res["loadavg_end"] = os.getloadavg()
+    res["elapsed_s"] = time.monotonic() - started
+    res["outdir"] = os.path.relpath(outdir, ROOT)
+    (outdir / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
+def publish(res: dict | None, args, render: Callable[[dict], str], intro: str, marker: str,
+            log: Callable[[str], None] = log) -> int:
+    """Print the page (the generated part below `marker`) and, unless --no-write, write it
+    below the hand-written part of --out."""
+    if res is None:
+        return 130
+    report = render(res)
+    print(intro + "\n" + report, flush=True)
+    if not args.no_write:
+        write_doc(args.out, intro, marker, report)
+        log(f"wrote {args.out}")
+    if "outdir" in res:
+        log(f"raw results and logs in {res['outdir']}")
+    return 0
+
+
+def main_with_render(args, run: Callable[[], dict | None], render, intro: str, marker: str, log=log) -> int:
+    """--render RESULTS_JSON: the report of an earlier run; else run and publish."""
+    if getattr(args, "render", None):
+        return publish(json.loads(args.render.read_text()), args, render, intro, marker, log)
+    return publish(run(), args, render, intro, marker, log)

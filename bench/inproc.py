@@ -18,17 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import uuid
 
-from bench.common import MAX_NEW_TOKENS, mean, median, prompt, system_busy_s, wait_for_quiet
-
-
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
+from bench.common import MAX_NEW_TOKENS, mean, median, own_cpu_s, prompt, system_busy_s, wait_for_quiet
 
 
 def _measure(fns: dict, reps: int, max_other: float, quiet_wait: float, log) -> dict:
@@ -48,11 +42,11 @@ def _measure(fns: dict, reps: int, max_other: float, quiet_wait: float, log) -> 
             if quiet[name] >= reps:
                 continue
             if noisy:
-                wait_for_quiet(_own_cpu_s, max_other, quiet_wait, log)
-            b0, c0, t0 = system_busy_s(), _own_cpu_s(), time.perf_counter()
+                wait_for_quiet(own_cpu_s, max_other, quiet_wait, log)
+            b0, c0, t0 = system_busy_s(), own_cpu_s(), time.perf_counter()
             extras[name] = fn()
             t = time.perf_counter() - t0
-            runs[name].append((t, max(0.0, (system_busy_s() - b0) - (_own_cpu_s() - c0)) / t))
+            runs[name].append((t, max(0.0, (system_busy_s() - b0) - (own_cpu_s() - c0)) / t))
             noisy = runs[name][-1][1] > max_other
     out = {}
     for name, r in runs.items():

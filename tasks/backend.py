@@ -1,17 +1,60 @@
-"""Celery's Redis result backend, minus the subscription it opens for every task sent.
+"""Celery's Redis result backend, with two changes for genqueue.
 
-Celery's backend subscribes the sender to each task's result channel so that a later
-`AsyncResult.get()` can wake up. genqueue never blocks that way (waiters block on the job's
-`genq:done:<id>` stream, see tasks/jobs.py), and an API process that sends thousands of jobs
-would otherwise hold one idle subscription per job whose messages nobody reads.
+- It does not subscribe the sender to every task's result channel. Celery's backend does, so
+  that a later `AsyncResult.get()` can wake up; genqueue never blocks that way (waiters block
+  on the job's `genq:done:<id>` stream, see tasks/jobs.py), and an API process that sends
+  thousands of jobs would otherwise hold one idle subscription per job.
+- A worker stores a result only while its attempt is the job's current one (a fence). A
+  worker that hung, was given up for dead and whose job ran again elsewhere must not replace
+  that result when it wakes up. The check and the write are one Lua call, which also replaces
+  Celery's read-before-write and its PUBLISH (nobody subscribes).
 """
 
+from celery import states
 from celery.backends.redis import RedisBackend
+from kombu.utils.encoding import bytes_to_str
+
+from tasks import keys
+
+# KEYS: result key, job record. ARGV: encoded meta, expiry in seconds, the writer's attempt.
+_FENCED_SET = """
+if redis.call('HGET', KEYS[2], 'attempts') ~= ARGV[3] then return 0 end
+if ARGV[2] == '0' then redis.call('SET', KEYS[1], ARGV[1])
+else redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end
+return 1
+"""
 
 
 class NoSubscribeRedisBackend(RedisBackend):
+    _fenced_set_script = None
+    # A worker sets this (worker/tasks.py): `succeed(task_id, attempt, key, value, expires)`
+    # stores a successful result and marks the job succeeded in one call (tasks/jobs.py
+    # JobStore.succeed), and the task's request remembers (`genq_finished`) that it is done.
+    succeed = None
+
     def on_task_call(self, producer, task_id):
         return None
+
+    def _store_result(self, task_id, result, state, traceback=None, request=None, **kwargs):
+        attempt = getattr(request, "genq_attempt", None)
+        if attempt is None:
+            return super()._store_result(task_id, result, state, traceback, request, **kwargs)
+        meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
+        meta["task_id"] = bytes_to_str(task_id)
+        expires = self.failure_expires if state == states.FAILURE else self.expires
+        if state == states.SUCCESS and self.succeed is not None:
+            key = bytes_to_str(self.get_key_for_task(task_id))
+            self.ensure(self.succeed, (task_id, attempt, key, self.encode(meta), int(expires or 0)))
+            request.genq_finished = True
+            return result
+        self.ensure(self._fenced_set, (task_id, self.encode(meta), expires, attempt))
+        return result
+
+    def _fenced_set(self, task_id, value, expires, attempt) -> bool:
+        if self._fenced_set_script is None:
+            self._fenced_set_script = self.client.register_script(_FENCED_SET)
+        key = bytes_to_str(self.get_key_for_task(task_id))
+        return bool(self._fenced_set_script(keys=[key, keys.job(task_id)], args=[value, int(expires or 0), attempt]))
 
 
 def backend_url(redis_url: str) -> str:

@@ -13,24 +13,104 @@ Why each setting:
   (concurrency == capacity), so it reserves exactly as many jobs as it can batch and leaves
   the rest in Redis for other workers, instead of Celery's default of four per thread.
 - result_expires: results live as long as the job records that point at them.
-- cancel_long_running_tasks_on_connection_loss: with acks_late those jobs are redelivered
-  anyway; finishing them as well would run them twice.
+- running jobs are not cancelled when the broker connection drops
+  (`worker_cancel_long_running_tasks_on_connection_loss` off): the threads pool cannot cancel
+  a thread anyway, the engine keeps generating through a short Redis outage, and the job's
+  result, record and tokens are written once Redis is back (the worker's Redis client and the
+  result backend retry for up to `WORKER_REDIS_RETRY_S`). Should the message be delivered
+  again meanwhile, the attempt fence (worker/tasks.py) keeps exactly one result.
 - one result backend per process (`result_backend_thread_safe`): Celery's default is one per
   thread, and under the API's gevent workers every request is a thread of its own, so each
   would build a backend and open a Redis connection. redis-py's client is thread-safe, and
   nothing here uses the backend's (unsafe) pub/sub result consumer.
-- events and rate limits off: nobody consumes the events, no task has a rate limit, and both
-  cost time on every job.
+- rate limits off, and task events unless `GENQ_CELERY_EVENTS` asks for them (for Flower):
+  no task has a rate limit, events are read only by a monitor, and both cost time on every job
+  (docs/benchmarks.md measures the events).
+- priorities: kombu's Redis transport keeps one list per priority step and queue (the queue's
+  name, `sep`, the step; step 0 is the queue's own name) and a worker pops the first non-empty
+  one in step order: step 0 is served first. Priorities are clamped to 0-9; one step per
+  priority makes every one distinct. The API's priorities (lower first, as vLLM's, default 0 in
+  the middle) map onto steps in order, see `broker_priority`. A message without a priority
+  lands in step 0, the most urgent: `task_default_priority` gives tasks sent through their task
+  object (`apply_async`) the middle, and since `send_task` by name does not read it, the API
+  passes each job's priority itself (webapp/service.py). `sep` stays kombu's
+  own: it also separates the fields of the exchange's binding table in Redis, and a different
+  one would misread the bindings a durable Redis kept from an earlier run.
+  `queue_order_strategy` orders queues, not steps (a worker consumes one queue: it does not
+  matter; "priority" keeps the order fixed). Prefetched messages have left Redis and bypass
+  priorities: prefetch stays at the engine's capacity (above). The recovery path
+  (worker/recovery.py) restores a message into the sub-queue its own priority names.
 """
 
 from __future__ import annotations
+
+from datetime import datetime, timezone
 
 from celery import Celery
 
 from tasks.backend import backend_url
 from tasks.config import Settings, get_settings, queue_for
+from tasks.schemas import PRIORITY_MAX, PRIORITY_MIN, JobSpec
 
 GENERATE_TASK = "genq.generate"
+
+
+def _reuse_kombu_clients() -> None:
+    """kombu's Redis channel builds a new `redis.Redis` object (over its one connection pool)
+    for every publish and every ack: measurably the largest single cost of sending a job
+    (docs/benchmarks.md, "front end cost per request"). A redis-py client is thread-safe and
+    holds no connection of its own, so one per channel and pool does the same. The async
+    client (the worker's BRPOP) is left as kombu makes it; a channel whose pool was replaced
+    (after a connection error) gets a new client for the new pool."""
+    from kombu.transport import redis as kredis
+
+    if getattr(kredis.Channel, "_genq_reuses_clients", False):
+        return
+    build = kredis.Channel._create_client
+
+    def _create_client(self, asynchronous=False):
+        if asynchronous:
+            return build(self, asynchronous=True)
+        pool = self.pool
+        cached = self.__dict__.get("_genq_client")
+        if cached is None or cached.connection_pool is not pool:
+            cached = self._genq_client = build(self)
+        return cached
+
+    kredis.Channel._create_client = _create_client
+    kredis.Channel._genq_reuses_clients = True
+
+
+_reuse_kombu_clients()
+
+PRIORITY_STEPS = list(range(PRIORITY_MAX - PRIORITY_MIN + 1))
+BROKER_SEP = "\x06\x16"
+
+
+def broker_priority(priority: int) -> int:
+    """The broker's priority step (0 is served first) for an API priority (lower first):
+    -4 .. 4 become 0 .. 8, the default 0 becomes 4."""
+    return min(max(priority, PRIORITY_MIN), PRIORITY_MAX) - PRIORITY_MIN
+
+def publish_job(app: Celery, spec: JobSpec, queue: str) -> None:
+    """Put a job's message on its queue: the API when it accepts a job, a worker when it
+    republishes one whose message was lost (worker/recovery.py). Raises what kombu raises."""
+    # argsrepr: logs and monitoring name the job, never its prompt (user data).
+    # expires: a worker that receives the message after the deadline drops it (the job
+    # ends expired, worker/tasks.py), whatever its pool.
+    app.send_task(
+        GENERATE_TASK,
+        args=[spec.model_dump(mode="json")],
+        task_id=spec.id,
+        queue=queue,
+        argsrepr=f"job {spec.id}" + (f" of {spec.owner}" if spec.owner else ""),
+        priority=broker_priority(spec.priority),
+        expires=None if spec.deadline is None else datetime.fromtimestamp(spec.deadline, timezone.utc),
+    )
+
+
+# How long a worker keeps retrying a write (a result, a job's status) while Redis is away.
+WORKER_REDIS_RETRY_S = 300
 
 
 def make_celery(settings: Settings | None = None) -> Celery:
@@ -46,9 +126,19 @@ def make_celery(settings: Settings | None = None) -> Celery:
         task_reject_on_worker_lost=True,
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
-        worker_cancel_long_running_tasks_on_connection_loss=True,
-        broker_transport_options={"visibility_timeout": visibility},
-        result_backend_transport_options={"visibility_timeout": visibility},
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        broker_transport_options={
+            "visibility_timeout": visibility,
+            "priority_steps": PRIORITY_STEPS,
+            "sep": BROKER_SEP,
+            "queue_order_strategy": "priority",
+        },
+        task_default_priority=broker_priority(0),
+        result_backend_transport_options={
+            "visibility_timeout": visibility,
+            "retry_policy": {"max_retries": None, "timeout": WORKER_REDIS_RETRY_S,
+                             "interval_start": 0, "interval_step": 0.5, "interval_max": 2},
+        },
         broker_connection_retry_on_startup=True,
         result_expires=s.result_ttl,
         task_default_queue=queue_for(s.served_model),
@@ -56,9 +146,35 @@ def make_celery(settings: Settings | None = None) -> Celery:
         result_backend_thread_safe=True,
         task_store_errors_even_if_ignored=True,
         task_track_started=False,
-        worker_send_task_events=False,
+        worker_send_task_events=s.celery_events,
         worker_disable_rate_limits=True,
-        task_send_sent_event=False,
+        task_send_sent_event=s.celery_events,
+        # A task's result (the generated text: user data) stays out of its events, hence Flower.
+        task_annotations={GENERATE_TASK: {"resultrepr_maxsize": 0}},
         worker_hijack_root_logger=False,
+    )
+    return app
+
+
+# The API's side (the sender): while Redis is down, publishing a job or reading a result must
+# fail within seconds so that the route answers 503, instead of waiting on a dead socket (kombu
+# sets no socket timeout, the result backend 120 s) or retrying for long. One quick retry still
+# rides over a pooled connection that went stale when Redis restarted. The socket timeout stays
+# above the API's longest blocking XREAD (3 s).
+SENDER_CONNECT_TIMEOUT_S = 2.0
+SENDER_SOCKET_TIMEOUT_S = 5.0
+
+
+def make_sender(settings: Settings | None = None) -> Celery:
+    app = make_celery(settings)
+    timeouts = {"socket_timeout": SENDER_SOCKET_TIMEOUT_S, "socket_connect_timeout": SENDER_CONNECT_TIMEOUT_S}
+    app.conf.update(
+        broker_connection_timeout=SENDER_CONNECT_TIMEOUT_S,
+        broker_transport_options={**app.conf.broker_transport_options, **timeouts},
+        redis_socket_timeout=SENDER_SOCKET_TIMEOUT_S,
+        redis_socket_connect_timeout=SENDER_CONNECT_TIMEOUT_S,
+        task_publish_retry_policy={
+            "max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2,
+        },
     )
     return app

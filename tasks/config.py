@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -16,12 +18,29 @@ class Settings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="REDIS_URL")
     model: str = "facebook/opt-125m"
     model_name: str | None = None
-    engine: Literal["hf", "vllm", "echo"] = "hf"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    engine: Literal["hf", "vllm", "echo", "sim"] = "hf"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights' dtype; auto: bfloat16 on CPUs with native bf16, else float32"
+    )
 
     max_batch_size: int = Field(32, ge=1, le=1024)
+    torch_threads: int = Field(
+        0, ge=0, description="the hf engine's torch (OpenMP) threads; 0: torch's default, one per core"
+    )
+    background_step_every: int = Field(
+        4, ge=1, description="hf engine: while foreground jobs (priority <= 0) run, background jobs "
+        "(priority > 0: batch lines) take one decode step in this many; 1: every step",
+    )
+    reserved_slots: int | None = Field(
+        None, ge=0, le=1024, description="hf engine: of GENQ_MAX_BATCH_SIZE, the slots that only foreground "
+        "jobs (priority <= 0) fill, never background ones (batch lines); default: an eighth",
+    )
     vllm_enforce_eager: bool = Field(True, description="no graph capture/compilation (CPU: no gain)")
     vllm_kv_cache_gib: int = Field(1, ge=1, description="vLLM's KV cache on CPU, GiB")
+    sim_step_ms: str = Field(
+        "5+0.5", pattern=r"^\s*\d+(\.\d*)?\s*(\+\s*\d+(\.\d*)?\s*)?$",
+        description="the sim engine's decode step: 'a+b' sleeps a + b x batch ms (worker/engines/sim.py)",
+    )
     default_max_new_tokens: int = Field(32, ge=1)
     max_new_tokens_limit: int = Field(1024, ge=1)
     max_prompt_chars: int = Field(32_768, ge=1)
@@ -31,21 +50,48 @@ class Settings(BaseSettings):
     visibility_timeout: int | None = Field(
         None, ge=1, description="seconds before an unacknowledged job is delivered again"
     )
+    max_attempts: int = Field(
+        3, ge=1, description="attempts at a job whose worker dies or hangs before it fails (worker_lost)"
+    )
     result_ttl: int = Field(86_400, ge=60, description="seconds a job and its result are kept")
     max_queue_depth: int = Field(1000, ge=1)
     max_wait: float = Field(300.0, ge=0, description="longest ?wait= and blocking call, seconds")
+
+    # Files and batches (webapp/batches.py).
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024, description="largest /v1/files upload, bytes")
+    file_ttl: int = Field(7 * 86_400, ge=60, description="seconds a file (and a finished batch) is kept")
+    batch_window: int = Field(256, ge=1, description="lines of one batch waiting or running at once")
+
+    api_keys: SecretStr | None = Field(None, description="comma list of API keys (see webapp/auth.py)")
+    api_keys_file: str | None = Field(None, description="one API key (or sha256:<hex>) per line, with name and limits")
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_workers: int = Field(2, ge=1)
     api_connections: int = Field(1000, ge=1, description="open requests per API process")
+    data_dir: str = Field(".data", description="`make run`'s private Redis data (relative: to the project)")
 
     heartbeat_interval: float = Field(2.0, gt=0)
     heartbeat_ttl: float = Field(10.0, gt=0)
+    reconcile_interval: float = Field(
+        10.0, gt=0, description="seconds between a worker's checks for jobs whose messages were lost"
+    )
+
+    # Observability (webapp/metrics.py, worker/metrics.py, tasks/logs.py).
+    api_metrics: bool = Field(True, description="the API's /metrics and its request counts")
+    metrics_port: int = Field(0, ge=0, le=65535, description="worker exporter: first port tried (0 = off)")
+    metrics_host: str = Field("127.0.0.1", description="address the worker exporter listens on")
+    celery_events: bool = Field(False, description="Celery task events (for Flower); cost time per job")
+    log_format: Literal["text", "json"] = "text"
 
     @property
     def served_model(self) -> str:
         return self.model_name or self.model
+
+    @property
+    def auth_enabled(self) -> bool:
+        """API keys are configured: every route but health and metrics needs one."""
+        return bool((self.api_keys and self.api_keys.get_secret_value().strip()) or self.api_keys_file)
 
     @property
     def redelivery_after(self) -> int:
@@ -56,6 +102,14 @@ class Settings(BaseSettings):
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` stands for is a loopback one (unknown: not)."""
+    try:
+        return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
 
 
 def queue_for(model: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -18,6 +19,15 @@ import redis
 from tasks import keys
 from tasks.schemas import JobSpec, JobStatus
 
+# Moves a job to a new status if its current one is allowed, and keeps what hangs off the
+# status in step: the queued set (queue depth), the running worker's in-flight hash (what
+# recovery restores when that worker dies), the done stream, and the attempt counter that
+# fences a worker whose job was taken away from it.
+# KEYS: record, done stream, token stream. ARGV: to, allowed (comma list), TTL if final else '',
+# '1' to start an attempt, the attempt the caller holds ('' = none: the API), worker, delivery
+# tag, max attempts, then field/value pairs to set.
+# Returns {moved, previous status, attempt}; moved is 0 (not allowed or fenced), 1, or 2 (an
+# attempt was due but the job had used up its attempts: it is now failed, worker_lost).
 _TRANSITION = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return false end
@@ -25,115 +35,319 @@ local allowed = false
 for s in string.gmatch(ARGV[2], '[^,]+') do
   if s == cur then allowed = true end
 end
-if not allowed then return {0, cur} end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], unpack(ARGV, 5))
-if ARGV[4] == '1' then
-  redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
+if not allowed then return {0, cur, attempts} end
+if ARGV[5] ~= '' and tonumber(ARGV[5]) ~= attempts then return {0, cur, attempts} end
+local id = redis.call('HGET', KEYS[1], 'id')
+local worker = redis.call('HGET', KEYS[1], 'worker')
+local to, ttl, moved = ARGV[1], ARGV[3], 1
+if ARGV[4] == '1' and cur == 'running' and attempts >= tonumber(ARGV[8]) then
+  to, ttl, moved = 'failed', ARGV[9], 2
+  redis.call('HSET', KEYS[1], 'error', ARGV[10], 'finished', ARGV[11])
 end
-if ARGV[3] ~= '' then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'status', ARGV[1])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
+if cur == 'queued' then
+  redis.call('ZREM', 'genq:queued:' .. redis.call('HGET', KEYS[1], 'queue'), id)
+  local owner = redis.call('HGET', KEYS[1], 'owner')
+  if owner and owner ~= '' then redis.call('ZREM', 'genq:queued-by:' .. owner, id) end
 end
-return {1, cur}
+if worker then redis.call('HDEL', 'genq:inflight:' .. worker, id) end
+redis.call('HSET', KEYS[1], 'status', to)
+if moved == 1 and #ARGV > 11 then redis.call('HSET', KEYS[1], unpack(ARGV, 12)) end
+if moved == 1 and ARGV[4] == '1' then
+  attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+  redis.call('HSET', KEYS[1], 'worker', ARGV[6], 'tag', ARGV[7])
+  redis.call('HSET', 'genq:inflight:' .. ARGV[6], id, ARGV[7])
+  if attempts > 1 and redis.call('EXISTS', KEYS[3]) == 1 then
+    -- A new attempt's tokens replace the last one's; readers learn so from the marker.
+    -- Trimmed, not deleted: the stream keeps its last entry id, so the marker's id is
+    -- above every id a reader holds as its cursor.
+    redis.call('XTRIM', KEYS[3], 'MAXLEN', 0)
+    redis.call('XADD', KEYS[3], '*', 'restart', attempts)
+    redis.call('EXPIRE', KEYS[3], ARGV[9])
+  end
+end
+if ttl ~= '' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'status', to)
+  redis.call('EXPIRE', KEYS[2], ttl)
+end
+return {moved, cur, attempts}
 """
 
-# Creates the records of queued jobs unless the queue already holds `max_depth` messages.
-# KEYS: the queue, then one record key per job. ARGV: max depth, TTL, the number of fields per
-# record, then each record's field/value pairs in order. Returns the depth, negated if refused.
+# _TRANSITION to succeeded, with the job's result written in the same call: the result
+# backend's SET, fenced like tasks/backend.py's (only while the writer's attempt, ARGV[5], is
+# the job's current one). KEYS: as _TRANSITION, then the result key. ARGV: as _TRANSITION, then
+# the encoded result and its expiry in seconds ('0' = none). One round trip where the result
+# and the final status took two; the client woken by the status still finds the result.
+_SUCCEED = """
+local ex = table.remove(ARGV)
+local value = table.remove(ARGV)
+if redis.call('HGET', KEYS[1], 'attempts') == ARGV[5] then
+  if ex == '0' then redis.call('SET', KEYS[4], value)
+  else redis.call('SET', KEYS[4], value, 'EX', ex) end
+end
+""" + _TRANSITION
+
+# Creates the records of queued jobs unless their queue already holds `max_depth` of them, or
+# their owner (an API key's name) already has `max_queued` waiting, over all queues.
+# The depth is the queue's set of queued job ids, not the length of its Redis list: it counts
+# jobs whose messages are not yet published and priority sub-queues, so the cap is exact. The
+# owner's set counts the same way (_TRANSITION removes a job from both when it leaves queued).
+# KEYS: the queued set, the owner's queued set ('' for jobs without owner), then one record key
+# per job. ARGV: max depth, TTL, now, the number of fields per record, the owner's max queued
+# ('' = no limit), then each record's field/value pairs in order (the id first).
+# Returns {the queue's depth before, the owner's count before, 0 created | 1 queue full |
+# 2 owner's quota exceeded}.
 _CREATE = """
-local depth = redis.call('LLEN', KEYS[1])
-if depth + #KEYS - 1 > tonumber(ARGV[1]) then return -depth - 1 end
-local n = tonumber(ARGV[3]) * 2
-for i = 2, #KEYS do
-  local base = 3 + (i - 2) * n
+local jobs = #KEYS - 2
+local cutoff = tonumber(ARGV[3]) - tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff)
+local depth = redis.call('ZCARD', KEYS[1])
+local owned = 0
+if KEYS[2] ~= '' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', cutoff)
+  owned = redis.call('ZCARD', KEYS[2])
+  if ARGV[5] ~= '' and owned + jobs > tonumber(ARGV[5]) then return {depth, owned, 2} end
+end
+if depth + jobs > tonumber(ARGV[1]) then return {depth, owned, 1} end
+local n = tonumber(ARGV[4]) * 2
+for i = 3, #KEYS do
+  local base = 5 + (i - 3) * n
   redis.call('HSET', KEYS[i], unpack(ARGV, base + 1, base + n))
   redis.call('EXPIRE', KEYS[i], ARGV[2])
+  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[base + 2])
+  if KEYS[2] ~= '' then redis.call('ZADD', KEYS[2], ARGV[3], ARGV[base + 2]) end
 end
-return depth
+return {depth, owned, 0}
 """
 
 ACTIVE = (JobStatus.queued, JobStatus.running)
+
+# Where `JobStore.get(..., result_key=...)` puts the raw value of the job's result key: not a
+# field of the record (decode_record ignores it).
+RESULT_RAW = "\0result-raw"
 MAX_BLOCK_S = 3.0
 
 
+WORKER_LOST = "worker_lost"
+EXPIRED = {"code": "expired", "message": "the job's deadline passed while it waited; it did not run"}
+
+
+def worker_lost(attempts: int) -> dict[str, str]:
+    return {
+        "code": WORKER_LOST,
+        "message": f"the job's worker died or hung on each of its {attempts} attempts; "
+        "it is not tried again (GENQ_MAX_ATTEMPTS)",
+    }
+
+
+class QuotaExceeded(Exception):
+    """An owner already has `limit` jobs waiting (`queued` of them), too many for more."""
+
+    def __init__(self, owner: str, queued: int, limit: int | None):
+        super().__init__(f"{owner} has {queued} jobs waiting; the limit is {limit}")
+        self.owner, self.queued, self.limit = owner, queued, limit
+
+
+@dataclass
+class Attempt:
+    """What starting a job's attempt found: `run` it (as attempt number `number`), or not,
+    because the job was `prev` (cancelled, final, expired: None) or had used up its attempts
+    (`exhausted`: it is now failed)."""
+
+    run: bool
+    prev: JobStatus | None
+    number: int
+    exhausted: bool = False
+
+
 class JobStore:
-    def __init__(self, client: redis.Redis, ttl: int):
+    def __init__(self, client: redis.Redis, ttl: int, max_attempts: int = 3):
         self.r = client
         self.ttl = ttl
+        self.max_attempts = max_attempts
         self._transition = client.register_script(_TRANSITION)
         self._create = client.register_script(_CREATE)
+        self._succeed = client.register_script(_SUCCEED)
 
-    def create(self, specs: list[JobSpec], queue: str, max_depth: int) -> tuple[bool, int]:
+    def create(
+        self, specs: list[JobSpec], queue: str, max_depth: int, max_queued: int | None = None
+    ) -> tuple[bool, int]:
         """Record queued jobs, atomically with a look at their queue: unless it already holds
-        too many waiting messages. Returns (created, the queue's depth)."""
+        too many waiting jobs. Returns (created, the queue's depth). All specs share one owner
+        (`specs[0].owner`); past its `max_queued` waiting jobs this raises QuotaExceeded."""
         now = repr(time.time())
-        args: list = [max_depth, self.ttl, 6]
+        owner = (specs[0].owner if specs else None) or ""
+        args: list = [max_depth, self.ttl, now, 11, "" if max_queued is None else max_queued]
         for spec in specs:
             args += [
                 "id", spec.id,
                 "model", spec.model,
+                "queue", queue,
                 "status", JobStatus.queued.value,
                 "created", now,
                 "params", spec.params.model_dump_json(exclude_defaults=True),
                 "attempts", 0,
+                "priority", spec.priority,
+                "deadline", "" if spec.deadline is None else repr(spec.deadline),
+                "owner", owner,
+                # The message's content, to publish it again should the broker lose it.
+                "spec", spec.model_dump_json(),
             ]  # fmt: skip
-        depth = self._create(keys=[queue, *(keys.job(s.id) for s in specs)], args=args)
-        return depth >= 0, depth if depth >= 0 else -depth - 1
+        owner_set = keys.queued_by(owner) if owner else ""
+        depth, owned, refused = self._create(
+            keys=[keys.queued(queue), owner_set, *(keys.job(s.id) for s in specs)], args=args
+        )
+        if refused == 2:
+            raise QuotaExceeded(owner, owned, max_queued)
+        return refused == 0, depth
 
-    def get(self, job_id: str) -> dict[str, str] | None:
-        rec = self.r.hgetall(keys.job(job_id))
-        return rec or None
+    def spec(self, rec: dict[str, str]) -> JobSpec | None:
+        """What the job's message carries (None for a record written before it was kept)."""
+        return JobSpec.model_validate_json(rec["spec"]) if rec.get("spec") else None
 
-    def transition(
-        self, job_id: str, to: JobStatus, allowed: tuple[JobStatus, ...], **fields: Any
-    ) -> tuple[bool, JobStatus | None]:
-        """Move a job to `to` if its status is one of `allowed`; return (moved, previous)."""
+    def depth(self, queue: str) -> int:
+        return self.r.zcard(keys.queued(queue))
+
+    def get(self, job_id: str, result_key: str | bytes | None = None) -> dict[str, str] | None:
+        """The job's record. With `result_key` (the result backend's key of the job), that
+        key's raw value comes in the same round trip, under RESULT_RAW (None if absent): read
+        after the record, so a record that says succeeded finds the result there."""
+        if result_key is None:
+            rec = self.r.hgetall(keys.job(job_id))
+            return rec or None
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(keys.job(job_id))
+        pipe.get(result_key)
+        rec, raw = pipe.execute()
+        if not rec:
+            return None
+        rec[RESULT_RAW] = raw
+        return rec
+
+    def _move(
+        self,
+        job_id: str,
+        to: JobStatus,
+        allowed: tuple[JobStatus, ...],
+        fence: int | None = None,
+        worker: str = "",
+        tag: str = "",
+        _result: tuple[str | bytes, str | bytes, int] | None = None,
+        **fields: Any,
+    ) -> tuple[int, JobStatus | None, int]:
         flat: list[str] = []
         for k, v in fields.items():
             flat += [k, v if isinstance(v, str) else json.dumps(v)]
-        res = self._transition(
-            keys=[keys.job(job_id), keys.done(job_id)],
+        script, extra_keys = self._transition, []
+        if _result is not None:
+            script, extra_keys = self._succeed, [_result[0]]
+            flat += [_result[1], str(_result[2])]
+        res = script(
+            keys=[keys.job(job_id), keys.done(job_id), keys.stream(job_id), *extra_keys],
             args=[
                 to.value,
                 ",".join(s.value for s in allowed),
                 str(self.ttl) if to.terminal else "",
                 "1" if to is JobStatus.running else "0",
+                "" if fence is None else str(fence),
+                worker,
+                tag,
+                self.max_attempts,
+                self.ttl,
+                json.dumps(worker_lost(self.max_attempts)),
+                repr(time.time()),
                 *flat,
             ],
         )
         if res is None:
-            return False, None
-        moved, prev = res
-        return bool(moved), JobStatus(prev.decode() if isinstance(prev, bytes) else prev)
+            return 0, None, 0
+        moved, prev, attempt = res
+        return int(moved), JobStatus(prev.decode() if isinstance(prev, bytes) else prev), int(attempt)
 
-    def mark_running(self, job_id: str, worker: str) -> tuple[bool, JobStatus | None]:
-        # `running` is allowed as a source: a job redelivered after its worker died runs again.
-        return self.transition(
-            job_id, JobStatus.running, ACTIVE, started=repr(time.time()), worker=worker
+    def transition(
+        self, job_id: str, to: JobStatus, allowed: tuple[JobStatus, ...], fence: int | None = None, **fields: Any
+    ) -> tuple[bool, JobStatus | None]:
+        """Move a job to `to` if its status is one of `allowed` and, when `fence` is given, it
+        is still on attempt `fence`; return (moved, previous)."""
+        moved, prev, _ = self._move(job_id, to, allowed, fence, **fields)
+        return moved == 1, prev
+
+    def start(self, job_id: str, worker: str, tag: str) -> Attempt:
+        """Begin a new attempt at a job on `worker`, which holds its message as `tag`.
+
+        `running` is allowed as a source: the job is delivered again after its worker died.
+        A job that already used up its attempts fails instead (a poison job must not take
+        down one worker after another)."""
+        moved, prev, number = self._move(
+            job_id, JobStatus.running, ACTIVE, worker=worker, tag=tag, started=repr(time.time())
         )
+        return Attempt(run=moved == 1, prev=prev, number=number, exhausted=moved == 2)
 
     def finish(
-        self, job_id: str, status: JobStatus, error: dict[str, str] | None = None
+        self,
+        job_id: str,
+        status: JobStatus,
+        error: dict[str, str] | None = None,
+        fence: int | None = None,
+        result: dict[str, Any] | None = None,
     ) -> tuple[bool, JobStatus | None]:
+        """`result`: the partial result of a failed job (a timeout keeps its text); a
+        succeeded job's result is in the result backend."""
         fields: dict[str, Any] = {"finished": repr(time.time())}
         if error:
             fields["error"] = error
-        return self.transition(job_id, status, ACTIVE, **fields)
+        if result:
+            fields["result"] = result
+        return self.transition(job_id, status, ACTIVE, fence, **fields)
+
+    def succeed(self, job_id: str, attempt: int, result_key: str | bytes, value: str | bytes, expires: int) -> bool:
+        """Store a job's result (the result backend's encoded value under its key, `expires`
+        seconds, 0 = no expiry) and mark the job succeeded, in one call, both only while
+        `attempt` is the job's current one (the status also only from queued or running).
+        Returns whether the status moved."""
+        moved, _, _ = self._move(job_id, JobStatus.succeeded, ACTIVE, attempt,
+                                 _result=(result_key, value, int(expires or 0)), finished=repr(time.time()))
+        return moved == 1
+
+    def expire(self, job_id: str, allowed: tuple[JobStatus, ...] = (JobStatus.queued,)) -> bool:
+        """End a job whose deadline passed before it started: it never runs."""
+        moved, _ = self.transition(
+            job_id, JobStatus.expired, allowed, finished=repr(time.time()), error=EXPIRED
+        )
+        return moved
+
+    def expire_if_due(self, rec: dict[str, str]) -> dict[str, str] | None:
+        """The record, expired first if it is still queued past its deadline. A worker drops
+        such a job when it receives its message, but that may be late or never (no worker)."""
+        deadline = rec.get("deadline")
+        if rec.get("status") != JobStatus.queued.value or not deadline or float(deadline) > time.time():
+            return rec
+        self.expire(rec["id"])
+        return self.get(rec["id"])
+
+    def give_up(self, job_id: str, attempt: int) -> bool:
+        """Fail a running job whose worker died on its last allowed attempt."""
+        moved, _ = self.finish(job_id, JobStatus.failed, worker_lost(attempt), fence=attempt)
+        return moved
 
     def cancel(self, job_id: str) -> tuple[bool, JobStatus | None]:
         return self.finish(
             job_id, JobStatus.cancelled, {"code": "cancelled", "message": "cancelled by the client"}
         )
 
-    def wait(self, job_id: str, timeout: float, exists: bool = False) -> dict[str, str] | None:
+    def wait(
+        self, job_id: str, timeout: float, exists: bool = False, result_key: str | bytes | None = None
+    ) -> dict[str, str] | None:
         """The job's record once it is final, or as it stands when `timeout` runs out.
 
         `exists`: the caller knows the job exists (it just created it), so the first look at
         the record can wait for the done stream instead of finding the job still running.
+        `result_key`: as for `get`.
         """
         deadline = time.monotonic() + timeout
         if not exists:
-            rec = self.get(job_id)
+            rec = self.get(job_id, result_key)
+            rec = rec and self.expire_if_due(rec)
             if rec is None or JobStatus(rec["status"]).terminal:
                 return rec
         while True:
@@ -143,13 +357,15 @@ class JobStore:
                 # below the client's socket timeout (redis-py's default is 5 s).
                 block_ms = max(1, int(min(left, MAX_BLOCK_S) * 1000))
                 self.r.xread({keys.done(job_id): "0"}, block=block_ms, count=1)
-            rec = self.get(job_id)
+            rec = self.get(job_id, result_key)
+            rec = rec and self.expire_if_due(rec)
             if rec is None or JobStatus(rec["status"]).terminal or time.monotonic() >= deadline:
                 return rec
 
 
 def decode_record(rec: dict[str, str]) -> dict[str, Any]:
-    """The public view of a record: status, error and timings."""
+    """The public view of a record: status, priority, deadline, error, timings, and the
+    partial result of a failed job that has one."""
 
     def ts(name: str) -> float | None:
         return float(rec[name]) if rec.get(name) else None
@@ -167,10 +383,14 @@ def decode_record(rec: dict[str, str]) -> dict[str, Any]:
         "model": rec["model"],
         "status": rec["status"],
         "attempts": int(rec.get("attempts", 0)),
+        "priority": int(rec.get("priority") or 0),
+        "deadline": float(rec["deadline"]) if rec.get("deadline") else None,
         "timings": timings,
     }
     if rec.get("worker"):
         out["worker"] = rec["worker"]
     if rec.get("error"):
         out["error"] = json.loads(rec["error"])
+    if rec.get("result"):
+        out["result"] = json.loads(rec["result"])
     return out

@@ -19,3 +19,50 @@ def stream(job_id: str) -> str:
 
 WORKERS = f"{PREFIX}:workers"
 WORKERS_SEEN = f"{PREFIX}:workers:seen"
+
+
+def inflight(worker: str) -> str:
+    """The jobs a worker is running: job id -> the broker delivery tag of its message."""
+    return f"{PREFIX}:inflight:{worker}"
+
+
+def queued(queue: str) -> str:
+    """Ids of the jobs recorded as queued for one Celery queue (scored by creation time): the
+    queue depth the API enforces, priority sub-queues and messages not yet published included."""
+    return f"{PREFIX}:queued:{queue}"
+
+
+def queued_by(owner: str) -> str:
+    """Ids of an owner's (an API key's name) queued jobs over all queues, scored like
+    `queued`: what its `max_queued` quota counts. tasks/jobs.py's Lua names it too."""
+    return f"{PREFIX}:queued-by:{owner}"
+
+
+def file(file_id: str) -> str:
+    """A /v1/files file's metadata (a hash); its lines are in `file_lines`."""
+    return f"{PREFIX}:file:{file_id}"
+
+
+def file_lines(file_id: str) -> str:
+    """A file's content: a list of chunks, each whole lines ending in a newline."""
+    return f"{PREFIX}:file:{file_id}:lines"
+
+
+def batch(batch_id: str) -> str:
+    """A batch's state (a hash): status, counts, timestamps, the feeding cursor."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_part(batch_id: str, part: str) -> str:
+    """A batch's working sets: `pending` (its lines on the queue), `out` and `err` (the output
+    and error lines so far, which become its files), `lock` (held by the driver at work)."""
+    return f"{PREFIX}:batch:{batch_id}:{part}"
+
+
+BATCHES_ACTIVE = f"{PREFIX}:batches:active"
+BATCHES_SEQ = f"{PREFIX}:batches:seq"
+
+
+def batches_of(owner: str) -> str:
+    """An owner's batches (its API key's name, or `-` on an open API), scored by creation."""
+    return f"{PREFIX}:batches:of:{owner}"

@@ -6,10 +6,11 @@ returns into the Celery result backend. Both are plain JSON on the wire.
 
 from __future__ import annotations
 
+import time
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class JobStatus(str, Enum):
@@ -18,14 +19,24 @@ class JobStatus(str, Enum):
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
+    expired = "expired"  # its deadline passed before it started: it never ran
 
     @property
     def terminal(self) -> bool:
-        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled, JobStatus.expired)
+
+
+# The most alternatives a job may ask log-probabilities for at each token (OpenAI's limit for
+# completions), and the most stop token ids.
+LOGPROBS_MAX = 5
+STOP_TOKEN_IDS_MAX = 16
+SEED_MAX = 2**63 - 1
 
 
 class SamplingParams(BaseModel):
-    """Per-job decoding parameters. Greedy unless `temperature` > 0."""
+    """Per-job decoding parameters. Greedy unless `temperature` > 0. The penalties, `min_tokens`,
+    `stop_token_ids` and `logprobs` are vLLM's, with vLLM's meaning; each one's default is
+    neutral (it changes nothing)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -33,11 +44,34 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stop: list[str] = Field(default_factory=list, max_length=8)
     ignore_eos: bool = False
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=10.0, allow_inf_nan=False,
+        description="> 1 discourages every token of the prompt and the output so far (1: off)",
+    )
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+        description="subtracted from the logit of every token the output already has (0: off)",
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+        description="subtracted from a token's logit once per time the output has it (0: off)",
+    )
+    min_tokens: int = Field(
+        0, ge=0, le=2**31 - 1, description="EOS and stop_token_ids are impossible before this many tokens"
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list, max_length=STOP_TOKEN_IDS_MAX,
+        description="token ids that end the completion (not part of its text), beside EOS",
+    )  # fmt: skip
+    logprobs: int | None = Field(
+        None, ge=0, le=LOGPROBS_MAX,
+        description="return each token's log-probability and those of the n likeliest tokens",
+    )  # fmt: skip
 
-    @field_validator("stop", mode="before")
+    @field_validator("stop", mode="before", json_schema_input_type=str | list[str])
     @classmethod
     def _one_stop(cls, v):
         return [v] if isinstance(v, str) else v
@@ -49,25 +83,95 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must not be empty")
         return v
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, v: list[int]) -> list[int]:
+        if any(not 0 <= t < 2**31 for t in v):
+            raise ValueError("token ids are whole numbers from 0 to 2**31 - 1")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, v: int, info: ValidationInfo) -> int:
+        most = info.data.get("max_new_tokens")
+        if most is not None and v > most:
+            raise ValueError(f"must not exceed max_new_tokens ({most})")
+        return v
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-class JobRequest(SamplingParams):
+    def for_choice(self, j: int) -> "SamplingParams":
+        """The parameters of the `j`-th of `n` completions of one prompt: its own seed (the
+        request's seed + j), so that seeded choices differ and each can be reproduced."""
+        if j == 0 or self.seed is None:
+            return self
+        return self.model_copy(update={"seed": (self.seed + j) % (SEED_MAX + 1)})
+
+
+# A job's priority: as vLLM's, a lower value is served first. 0 (the default) is the middle, so
+# that there is room above (urgent) and below (batch work). tasks/celery_app.py maps it onto
+# the broker's priority sub-queues.
+PRIORITY_MIN, PRIORITY_MAX = -4, 4
+# The longest `timeout_s`, and the latest `deadline` (unix time), a job may ask for: beyond them
+# a time no longer fits a date (they are refused, not clamped).
+TIMEOUT_S_MAX = 365 * 86_400.0
+DEADLINE_MAX = 2.0**32
+
+
+class Scheduling(BaseModel):
+    """When a job runs: its place among the waiting jobs and how long it may wait and run."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, description="lower is served first")
+    timeout_s: float | None = Field(
+        None, gt=0, le=TIMEOUT_S_MAX, allow_inf_nan=False, description="seconds from submission"
+    )
+    deadline: float | None = Field(
+        None, gt=0, le=DEADLINE_MAX, allow_inf_nan=False, description="unix time"
+    )
+
+    @field_validator("deadline")
+    @classmethod
+    def _ahead(cls, v: float | None) -> float | None:
+        if v is not None and v <= time.time():
+            raise ValueError("already passed")
+        return v
+
+    def deadline_from(self, now: float) -> float | None:
+        """The job's absolute deadline: the earlier of `deadline` and `now + timeout_s`."""
+        times = [t for t in (self.deadline, self.timeout_s and now + self.timeout_s) if t]
+        return min(times) if times else None
+
+
+def split_request(req: BaseModel, exclude: set[str]) -> tuple[SamplingParams, Scheduling]:
+    """A request body's sampling parameters and scheduling fields, the rest (`exclude`) left out."""
+    data = req.model_dump(exclude=exclude)
+    sched = {k: data.pop(k) for k in Scheduling.model_fields if k in data}
+    return SamplingParams.model_validate(data), Scheduling.model_validate(sched)
+
+
+class JobRequest(SamplingParams, Scheduling):
     """Body of POST /v1/jobs."""
 
     prompt: str = Field(min_length=1)
     model: str | None = Field(None, min_length=1)
 
 
-class BasicGenerateRequest(SamplingParams):
+class BasicGenerateRequest(SamplingParams, Scheduling):
     """Body of the teaching server's POST /basic_generate."""
 
     prompt: str = Field(min_length=1)
 
 
-class GenerateRequest(SamplingParams):
+class GenerateRequest(SamplingParams, Scheduling):
     """Body of the teaching server's POST /generate."""
 
     prompts: list[str] = Field(max_length=256)
@@ -88,16 +192,40 @@ class JobSpec(BaseModel):
     prompt: str
     params: SamplingParams
     stream: bool = Field(True, description="publish token events (False: nobody can follow them)")
+    priority: int = 0
+    deadline: float | None = Field(None, description="unix time; past it the job expires or times out")
+    owner: str | None = Field(None, description="the submitting API key's name (never the key)")
+
+
+class Logprobs(BaseModel):
+    """Log-probabilities of a completion's tokens, in OpenAI's completions format (also vLLM's):
+    one entry per generated token in each list. Values are those of the model's own
+    distribution (log-softmax of its logits, before temperature and penalties), as vLLM's
+    default; -9999.0 stands for minus infinity."""
+
+    tokens: list[str] = Field(default_factory=list, description="each token as text")
+    token_logprobs: list[float] = Field(default_factory=list, description="each token's log-probability")
+    top_logprobs: list[dict[str, float]] = Field(
+        default_factory=list, description="per token: the `logprobs` likeliest tokens and the chosen one"
+    )
+    text_offset: list[int] = Field(
+        default_factory=list, description="where each token starts, in characters from the completion's start"
+    )
+
+    def extend(self, other: "Logprobs") -> None:
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(self, name).extend(getattr(other, name))
 
 
 class GenerationResult(BaseModel):
     text: str = Field(description="the completion, without the prompt")
-    finish_reason: Literal["length", "stop", "eos", "cancelled"]
+    finish_reason: Literal["length", "stop", "eos", "cancelled", "timeout"]
     prompt_tokens: int
     completion_tokens: int
     batch_size: int = Field(description="the largest batch this job was decoded in")
     model: str
     worker: str | None = None
+    logprobs: Logprobs | None = Field(None, description="with the job's `logprobs` parameter")
 
 
 class ErrorBody(BaseModel):

@@ -1,11 +1,21 @@
 """Token events of one job, in a Redis Stream of its own.
 
 A worker appends one entry per generated token, `{"i": n, "t": text}`, numbered from 0 within
-one attempt at the job, and a last entry with `"finish"` (the finish reason) and `"usage"`. The
+one attempt at the job, and a last entry with `"finish"` (the finish reason) and `"usage"`. A
+job that asked for `logprobs` has `"lp"` in its entries too: the log-probabilities of the tokens
+behind the entry's text (JSON, OpenAI's logprobs object, text offsets from the completion's
+start). The
 API reads them with XREAD, so a client that connects late, or reconnects, still gets every
 token: SSE event ids are the `i` numbers, and a reader resuming after `Last-Event-ID: k` skips
-entries up to `k`. A job delivered again after its worker died starts again from 0, and the
-same rule skips what the client already has.
+entries up to `k`.
+
+A job run again after its worker died or hung (attempt n > 1) replaces its stream: the new
+attempt empties it and starts it with a marker `{"restart": n}`, then numbers its tokens from 0
+again (tasks/jobs.py does both in the call that starts the attempt). A greedy or seeded job
+gives the same tokens again, so a reader skips what it already has and sees no seam. For a
+sampled job the new tokens differ: the reader yields a `Restart`, the client drops the text it
+had, and event ids of later attempts read `n:k` so that a resumed reader knows which attempt
+its `Last-Event-ID` belongs to. No reader ever sees tokens of two attempts mixed.
 """
 
 from __future__ import annotations
@@ -30,13 +40,12 @@ class TokenEvent:
     text: str
     finish: str | None = None
     usage: dict | None = None
+    attempt: int = 1
+    logprobs: dict | None = None  # tasks.schemas.Logprobs of the tokens behind `text`
 
-    def fields(self) -> dict[str, str]:
-        out = {"i": str(self.index), "t": self.text}
-        if self.finish:
-            out["finish"] = self.finish
-            out["usage"] = json.dumps(self.usage or {})
-        return out
+    @property
+    def event_id(self) -> str:
+        return str(self.index) if self.attempt == 1 else f"{self.attempt}:{self.index}"
 
     @classmethod
     def parse(cls, fields: dict[str, str]) -> "TokenEvent":
@@ -45,34 +54,57 @@ class TokenEvent:
             text=fields.get("t", ""),
             finish=fields.get("finish"),
             usage=json.loads(fields["usage"]) if "usage" in fields else None,
+            logprobs=json.loads(fields["lp"]) if "lp" in fields else None,
         )
 
 
 @dataclass
 class StreamEnd:
-    """The job ended without a finish event: failed or cancelled (`error` says why)."""
+    """The job ended without a finish event: failed, cancelled or expired (`error` says why)."""
 
     status: str
     error: dict
 
 
+@dataclass
+class Restart:
+    """A sampled job started over on another worker: discard its text received so far."""
+
+    attempt: int
+
+
 KeepAlive = None
+
+
+def parse_event_id(raw: str | int) -> tuple[int, int]:
+    """`k` (attempt 1) or `n:k` -> (attempt, index); ValueError otherwise."""
+    attempt, _, index = str(raw).rpartition(":")
+    return (int(attempt) if attempt else 1), int(index)
+
+
+def _replays(rec: dict[str, str] | None) -> bool:
+    """Whether a new attempt at this job gives the tokens of the last one again."""
+    params = json.loads(rec.get("params") or "{}") if rec else {}
+    return not params.get("temperature") or params.get("seed") is not None
 
 
 def follow(
     client: redis.Redis,
     job_ids: list[str],
     get_record: Callable[[str], dict[str, str] | None],
-    after: dict[str, int] | None = None,
-) -> Iterator[tuple[str, TokenEvent | StreamEnd] | None]:
+    after: dict[str, str | int] | None = None,
+) -> Iterator[tuple[str, TokenEvent | StreamEnd | Restart] | None]:
     """Yield `(job_id, event)` for the jobs' token events as they arrive, until each job has
     finished; `None` after every read that brought nothing (time for a keep-alive).
 
-    `after[job_id] = k` skips events numbered up to k (Last-Event-ID). A job that reaches a
-    final status without a finish event (failed, cancelled) yields a `StreamEnd`.
+    `after[job_id]` is an event id (Last-Event-ID): events up to it are skipped. A job that
+    reaches a final status without a finish event (failed, cancelled) yields a `StreamEnd`; a
+    sampled job that started over yields a `Restart` (see the module's docstring).
     """
     last = {job_id: -1 for job_id in job_ids}
-    last.update(after or {})
+    attempt = {job_id: 1 for job_id in job_ids}
+    for job_id, event_id in (after or {}).items():
+        attempt[job_id], last[job_id] = parse_event_id(event_id)
     cursors: dict[str, str] = {}
     owner: dict[str, str] = {}
     for job_id in job_ids:
@@ -107,7 +139,17 @@ def follow(
                     ended.add(job_id)
                 continue
             for _, fields in entries:
+                if "restart" in fields:
+                    n = int(fields["restart"])
+                    if n > attempt[job_id]:
+                        attempt[job_id] = n
+                        if not _replays(get_record(job_id)):
+                            if last[job_id] >= 0:
+                                yield job_id, Restart(n)
+                            last[job_id] = -1
+                    continue
                 event = TokenEvent.parse(fields)
+                event.attempt = attempt[job_id]
                 if event.index <= last[job_id] or job_id not in open_jobs:
                     continue
                 last[job_id] = event.index
@@ -124,7 +166,7 @@ def _end_of(get_record, job_id: str) -> StreamEnd | None:
     if rec is None:
         return StreamEnd("failed", {"code": "not_found", "message": f"job {job_id} expired"})
     status = rec.get("status")
-    if status in (JobStatus.failed.value, JobStatus.cancelled.value):
+    if status in (JobStatus.failed.value, JobStatus.cancelled.value, JobStatus.expired.value):
         error = json.loads(rec["error"]) if rec.get("error") else {"code": status, "message": status}
         return StreamEnd(status, error)
     return None

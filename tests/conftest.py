@@ -22,6 +22,11 @@ if str(ROOT) not in sys.path:
 
 from scripts import stack  # noqa: E402
 
+# The parity tests compare with float32 `model.generate`: every engine the tests start, in this
+# process or in a stack, runs float32 unless a test asks otherwise (GENQ_DTYPE=auto would pick
+# bfloat16 on a CPU with AMX). tests/test_dtype.py tests `auto` itself.
+os.environ.setdefault("GENQ_DTYPE", "float32")
+
 
 @pytest.fixture(scope="session")
 def redis_url():
@@ -109,6 +114,28 @@ def make_stack(redis_url, tiny_model, tmp_path_factory):
         s.stop()
 
 
+# The key of `idle_stack`, for tests of clients that send one.
+IDLE_STACK_KEY = "sk-client-test-0123456789"
+
+
+@pytest.fixture(scope="session")
+def echo_stack(make_stack) -> Stack:
+    """The echo engine (no model) behind one worker and the API: the queue path alone."""
+    s = make_stack(GENQ_ENGINE="echo")
+    s.start_api()
+    s.start_worker()
+    s.wait_ready()
+    return s
+
+
+@pytest.fixture(scope="session")
+def idle_stack(make_stack) -> Stack:
+    """An API with a key (IDLE_STACK_KEY) and no worker: submitted jobs wait in the queue."""
+    s = make_stack(GENQ_API_KEYS=IDLE_STACK_KEY)
+    s.start_api()
+    return s
+
+
 @pytest.fixture(scope="session")
 def hf_stack(make_stack) -> Stack:
     """The tiny model behind one hf worker and the API, shared by the end-to-end tests."""
@@ -167,6 +194,22 @@ def reference(tiny_model):
         return tok.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
 
     return complete
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test (or fixture) shows the last lines of the logs of the stacks it used: on CI
+    they are the only trace of what a worker or the API did."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    stacks = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Stack)]
+    for s in stacks:
+        for proc in s.procs:
+            if proc.log and proc.log.exists():
+                lines = proc.log.read_text(errors="replace").splitlines()[-60:]
+                report.sections.append((f"log of {s.name} {proc.name} (last 60 lines)", "\n".join(lines)))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,10 +1,15 @@
-"""Client-side helpers the end-to-end tests share: submitting jobs and reading SSE."""
+"""Helpers the end-to-end tests share: submitting jobs, reading SSE, a Redis to kill."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import signal
+from pathlib import Path
 
 import requests
+
+from scripts import stack as stackmod
 
 
 def sse_events(resp: requests.Response, limit: int | None = None) -> list[dict]:
@@ -40,3 +45,39 @@ def stream(stack, job_id: str, **headers) -> list[dict]:
 
 def joined(events: list[dict]) -> str:
     return "".join(json.loads(e["data"])["text"] for e in events if e.get("event") in ("token", "done"))
+
+
+class KillableRedis:
+    """A redis-server on a fixed port and data dir (append-only file), to kill and start again."""
+
+    def __init__(self, path: Path, fsync: str = "always"):
+        self.fsync = fsync
+        self.dir = path / "redis"
+        self.dir.mkdir()
+        self.port = stackmod.free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: stackmod.Proc | None = None
+        self.start()
+
+    def start(self) -> None:
+        argv = [
+            stackmod.redis_server_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.dir),
+            "--save", "",
+            "--appendonly", "yes",
+            "--appendfsync", self.fsync,
+            "--daemonize", "no",
+        ]  # fmt: skip
+        self.proc = stackmod.Proc("redis", argv, log=self.dir / "redis.log")
+        stackmod.wait_until(lambda: stackmod.redis_answers(self.url), 15, "redis-server", [self.proc])
+
+    def kill(self) -> None:
+        self.proc.signal(signal.SIGKILL)
+        self.proc.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.proc:
+            self.proc.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -170,3 +170,71 @@ def test_cancel_a_queued_job(client):
     assert resp.status_code == 200 and resp.get_json()["status"] == "cancelled"
     assert client.get(f"/v1/jobs/{job_id}").get_json()["status"] == "cancelled"
     assert_error(client.post(f"/v1/jobs/{job_id}/cancel"), 409, "already_final")
+
+
+# -- vLLM's sampling parameters: bounds, and what is accepted only at its neutral value -------
+
+BAD_PARAMS = [
+    ({"n": 17}, "n", "invalid_request"),
+    ({"n": 0}, "n", "invalid_request"),
+    ({"logprobs": 6}, "logprobs", "invalid_request"),
+    ({"logprobs": -1}, "logprobs", "invalid_request"),
+    ({"logprobs": 1, "echo": True}, "logprobs", "unsupported_parameter"),
+    ({"best_of": 3}, "best_of", "unsupported_parameter"),
+    ({"logit_bias": {"7": 5}}, "logit_bias", "unsupported_parameter"),
+    ({"suffix": "end"}, "suffix", "unsupported_parameter"),
+    ({"use_beam_search": True}, "use_beam_search", "unsupported_parameter"),
+    ({"min_p": 0.1}, "min_p", "unsupported_parameter"),
+    ({"skip_special_tokens": False}, "skip_special_tokens", "unsupported_parameter"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "invalid_request"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "invalid_request"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "invalid_request"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "invalid_request"),
+    ({"min_tokens": -1}, "min_tokens", "invalid_request"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "invalid_request"),
+    ({"stop_token_ids": list(range(17))}, "stop_token_ids", "invalid_request"),
+    ({"no_such_parameter": 1}, "no_such_parameter", "invalid_request"),
+]
+
+
+@pytest.mark.parametrize("params,param,code", BAD_PARAMS)
+def test_completions_refuse_unsupported_values_naming_the_parameter(client, params, param, code):
+    err = assert_error(client.post("/v1/completions", json={"prompt": "Hi", **params}), 400, code)
+    assert err["param"] == param and param in err["message"]
+
+
+def test_completions_accept_neutral_and_supported_values(client):
+    """Everything here passes validation; without a worker the call then answers 503."""
+    neutral = {
+        "n": 1, "best_of": 1, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [], "logit_bias": {}, "top_k": -1,
+        "min_p": 0, "use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True,
+        "response_format": {"type": "text"}, "request_id": "abc", "seed": None, "echo": None,
+    }  # fmt: skip
+    supported = {"n": 3, "best_of": 3, "logprobs": 5, "presence_penalty": -2, "frequency_penalty": 2,
+                 "repetition_penalty": 1.3, "min_tokens": 4, "stop_token_ids": [2, 50], "max_tokens": 8}
+    for body in (neutral, supported):
+        assert_error(client.post("/v1/completions", json={"prompt": "Hi", **body}), 503, "no_worker")
+    # n jobs per prompt count against the queue: 2 prompts x 2 > GENQ_MAX_QUEUE_DEPTH (3).
+    assert_error(client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2}), 413, "too_many_prompts")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"logprobs": 6}, {"repetition_penalty": 0}, {"presence_penalty": "0.5"}, {"min_tokens": 5, "max_new_tokens": 2},
+        {"stop_token_ids": [2**31]}, {"frequency_penalty": 2.01}, {"stop_token_ids": ["2"]},
+    ],
+)  # fmt: skip
+def test_bad_sampling_parameters_of_jobs(client, params):
+    param = next(k for k in params if k != "max_new_tokens")
+    err = assert_error(client.post("/v1/jobs", json={"prompt": "x", **params}), 400, "invalid_request")
+    assert err["param"].startswith(param)
+
+
+def test_jobs_take_the_sampling_parameters(client):
+    params = {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_tokens": 2,
+              "stop_token_ids": [5], "logprobs": 0, "max_new_tokens": 4}
+    resp = client.post("/v1/jobs", json={"prompt": "x", **params})
+    assert resp.status_code == 202, resp.get_data(as_text=True)

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from scripts import stack
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 
@@ -22,19 +24,23 @@ def _digest(path: Path) -> str | None:
 def test_bench_quick_run(tiny_model, redis_url):
     before = _digest(DOC)
     started = time.monotonic()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         # --quiet-wait 0 --retries 0: on a busy machine, do not wait for quiet (numbers don't matter here).
         [sys.executable, "-m", "bench.run", "--model", "tiny", "--levels", "1,2", "--duration", "2", "--no-write",
          "--quiet-wait", "0", "--retries", "0"],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,  # ~30 s expected alone; a machine busy with other work can take several times that
         env={**os.environ, "REDIS_URL": redis_url},
+        start_new_session=True,
     )
+    # ~30 s expected alone; a machine busy with other work can take several times that. Past the
+    # limit, SIGTERM lets the benchmark stop its worker and API, then SIGKILL ends its group.
+    out, err, ran_over = stack.communicate_or_stop(proc, timeout=240)
+    assert not ran_over, f"bench.run ran over 240 s\n--- stderr\n{err[-5000:]}"
     took = time.monotonic() - started
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
-    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
     for heading in (
         "## Targets",
         "## 1. API path",

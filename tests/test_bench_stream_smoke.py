@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from scripts import stack
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks-streaming.md"
@@ -33,20 +34,12 @@ def test_bench_stream_quick_run(tiny_model, redis_url):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "REDIS_URL": redis_url},
+        start_new_session=True,
     )
-    try:
-        # ~20-35 s expected alone; a machine busy with other work can take several times that.
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        # SIGTERM, not subprocess.run's SIGKILL: the benchmark then stops the worker and API it
-        # started (they run in sessions of their own and would outlive a killed parent).
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        raise AssertionError(f"bench.stream ran over 240 s\n--- stderr\n{err[-5000:]}") from None
+    # ~20-35 s expected alone; a machine busy with other work can take several times that. Past
+    # the limit, SIGTERM lets the benchmark stop its worker and API, then SIGKILL ends its group.
+    out, err, ran_over = stack.communicate_or_stop(proc, timeout=240)
+    assert not ran_over, f"bench.stream ran over 240 s\n--- stderr\n{err[-5000:]}"
     took = time.monotonic() - started
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
     for heading in (

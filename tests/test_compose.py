@@ -405,3 +405,215 @@ def test_dockerignore_keeps_context_small():
     assert "requirements.txt" not in patterns
     for package in ("webapp", "worker", "tasks", "scripts"):
         assert package not in patterns
+
+
+# --------------------------------------------------------------------------- profiles
+
+DEFAULT_SERVICES = {"redis", "model-init", "worker", "api"}
+PROFILES = {
+    "vllm": {"vllm-worker"},
+    "monitoring": {"prometheus", "grafana"},
+    "locust": {"locust", "locust-worker"},
+    "flower": {"flower"},
+}
+WORKERS = ("worker", "vllm-worker")
+MONITORING = REPO_ROOT / "monitoring"
+GPU_OVERRIDE = REPO_ROOT / "docker-compose.gpu.yml"
+DOCKERFILE_VLLM = REPO_ROOT / "Dockerfile.vllm"
+
+
+def test_default_stays_small_and_every_part_has_a_profile(services):
+    unprofiled = {name for name, svc in services.items() if not svc.get("profiles")}
+    assert unprofiled == DEFAULT_SERVICES, "`docker compose up` must stay the small default"
+    for profile, names in PROFILES.items():
+        got = {name for name, svc in services.items() if profile in (svc.get("profiles") or [])}
+        assert got == names, (profile, got)
+    # A service may depend only on services that run whenever it does.
+    for name, svc in services.items():
+        mine = set(svc.get("profiles") or [])
+        for dep in depends_on(svc):
+            theirs = set(services[dep].get("profiles") or [])
+            assert not theirs or theirs & mine, f"{name} depends on {dep}, which its profile does not start"
+
+
+def test_every_long_running_service_has_a_healthcheck(services):
+    # model-init exits when done; a locust worker has no port to ask.
+    for name, svc in services.items():
+        if name in ("model-init", "locust-worker"):
+            continue
+        test = argv((svc.get("healthcheck") or {}).get("test"))
+        assert test and test[0] in {"CMD", "CMD-SHELL"}, f"{name} has no healthcheck"
+        if "-c" in test and "python" in test:
+            compile(test[test.index("-c") + 1], f"<{name} healthcheck>", "exec")
+
+
+def test_third_party_images_are_pinned(services):
+    for name, svc in services.items():
+        image = str(svc.get("image", ""))
+        if svc.get("build"):
+            continue
+        assert ":" in image and not image.endswith(":latest"), f"{name}: pin {image!r}"
+
+
+def test_workers_scale_out(services):
+    """`docker compose up --scale worker=N`: no fixed name, host port or hostname per container."""
+    for name in WORKERS:
+        svc = services[name]
+        assert "container_name" not in svc and "hostname" not in svc, name
+        assert not svc.get("ports"), f"{name} publishes a host port: a second replica could not start"
+    for name, svc in services.items():
+        assert "container_name" not in svc, f"{name}: a fixed container name blocks --scale"
+
+
+def test_workers_serve_metrics_on_the_port_their_healthcheck_and_prometheus_use(services):
+    scrape = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
+    worker_sd = [sd for sd in jobs["genq-worker"]["dns_sd_configs"]]
+    api_sd = jobs["genq-api"]["dns_sd_configs"]
+    assert {n for sd in api_sd for n in sd["names"]} == {"api"} and {sd["port"] for sd in api_sd} == {API_PORT}
+    assert {n for sd in worker_sd for n in sd["names"]} == set(WORKERS)
+    for name in WORKERS:
+        env = env_of(services[name])
+        port = int(env["GENQ_METRICS_PORT"])
+        assert env["GENQ_METRICS_HOST"] == "0.0.0.0"
+        assert {sd["port"] for sd in worker_sd} == {port}
+        assert f"127.0.0.1:{port}/metrics" in " ".join(argv(services[name]["healthcheck"]["test"]))
+    for sd in api_sd + worker_sd:
+        assert set(sd["names"]) <= set(PROFILES["vllm"] | DEFAULT_SERVICES), sd
+
+
+def test_vllm_worker_runs_the_worker_from_its_own_image(services, stack_commands):
+    _, worker_command = stack_commands
+    svc = services["vllm-worker"]
+    got = argv(svc["command"])
+    assert same_program(got[0], worker_command[0]) and got[1:] == list(worker_command[1:])
+    env = env_of(svc)
+    assert env["GENQ_ENGINE"] == "vllm"
+    assert env["GENQ_MODEL_NAME"] and env["GENQ_MODEL_NAME"] != env_of(services["worker"]).get("GENQ_MODEL_NAME")
+    assert env["REDIS_URL"] == env_of(services["api"])["REDIS_URL"]
+    build = svc["build"]
+    assert (REPO_ROOT / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE_VLLM
+    assert build["args"]["VLLM_REQUIREMENTS"] == "requirements-vllm-cpu.txt", "CPU build by default"
+    assert svc["image"] != services["worker"]["image"]
+    deps = depends_on(svc)
+    assert deps["redis"]["condition"] == "service_healthy"
+    assert deps["model-init"]["condition"] == "service_completed_successfully"
+    assert volume_mounts(svc)["/models"] == ("models", True)
+
+
+def test_gpu_override_reserves_gpus_and_switches_to_the_cuda_build(services):
+    override = yaml.safe_load(GPU_OVERRIDE.read_text())["services"]
+    assert set(override) == {"vllm-worker"}
+    svc = override["vllm-worker"]
+    assert svc["build"]["args"]["VLLM_REQUIREMENTS"] == "requirements-vllm.txt"
+    (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    for name in ("requirements-vllm.txt", "requirements-vllm-cpu.txt"):
+        assert (REPO_ROOT / name).is_file()
+    assert "docker-compose.gpu.yml" in (REPO_ROOT / "README.md").read_text()
+
+
+def test_dockerfile_vllm():
+    text = re.sub(r"\\\n", " ", DOCKERFILE_VLLM.read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert [line for line in lines if line.startswith("FROM ")][-1] == "FROM python:3.11-slim"
+    runs = " ".join(line for line in lines if line.startswith("RUN "))
+    assert '-r "$VLLM_REQUIREMENTS"' in runs and "uninstall" in runs and "torchvision" in runs
+    user = [line for line in lines if line.startswith("USER ")][-1].split()[1]
+    assert user not in {"root", "0"}
+    assert json.loads([line for line in lines if line.startswith("CMD ")][-1][4:]) == ["python", "-m", "worker"]
+    for requirements in ("requirements-vllm.txt", "requirements-vllm-cpu.txt"):
+        assert "prometheus-client==" in (REPO_ROOT / requirements).read_text(), "worker/metrics.py needs it"
+
+
+def test_monitoring_mounts_files_that_exist(services):
+    for name in PROFILES["monitoring"]:
+        for target, (source, read_only) in volume_mounts(services[name]).items():
+            if source and source.startswith("./"):
+                assert (REPO_ROOT / source).exists(), (name, source)
+                assert read_only, (name, target)
+    assert "/etc/prometheus/prometheus.yml" in volume_mounts(services["prometheus"])
+
+
+def _exposed(registry) -> set[str]:
+    """Sample names a scrape of this registry shows."""
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
+    return {f.name + s for f in registry.collect() for s in suffixes[f.type]}
+
+
+def metric_names() -> set[str]:
+    """Every sample name the API's and a worker's /metrics show (tests/test_metrics.py checks
+    them live)."""
+    from prometheus_client import CollectorRegistry
+
+    from webapp import metrics as api
+    from worker.metrics import WorkerMetrics
+
+    registry = CollectorRegistry()
+    WorkerMetrics("m", "hf", 2048, registry=registry)
+    api.ApiMetrics(registry=registry)
+    names = _exposed(registry)
+    return names | {api.WORKERS_LIVE[0], api.WAITING[0]}
+
+
+def test_grafana_dashboard_queries_metrics_that_exist():
+    names = metric_names()
+    datasources = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (ds,) = datasources["datasources"]
+    assert ds["url"] == "http://prometheus:9090" and ds["type"] == "prometheus"
+    providers = yaml.safe_load((MONITORING / "grafana/provisioning/dashboards/genqueue.yml").read_text())
+    assert providers["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+
+    dashboard = json.loads((MONITORING / "grafana/dashboards/genqueue.json").read_text())
+    titles = " | ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("time to first token", "queue time", "tokens/s", "batch size", "queue depth", "live workers"):
+        assert topic in titles, topic
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"]]
+    used = {m for e in exprs for m in re.findall(r"genq:[a-z0-9_]+", e)}
+    assert used and used <= names, used - names
+    ttft = next(p for p in dashboard["panels"] if "first token" in p["title"].lower())
+    assert {"p50", "p90"} <= {t["legendFormat"] for t in ttft["targets"]}
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == ds["uid"]
+
+
+def test_locust_master_targets_the_api_and_workers_find_it(services):
+    master, worker = services["locust"], services["locust-worker"]
+    cmd = argv(master["command"])
+    assert "--master" in cmd and cmd[cmd.index("--host") + 1] == f"http://api:{API_PORT}"
+    assert ("8089", 8089) in published_ports(master)
+    wcmd = argv(worker["command"])
+    assert "--worker" in wcmd and wcmd[wcmd.index("--master-host") + 1] == "locust"
+    for svc in (master, worker):
+        c = argv(svc["command"])
+        locustfile = c[c.index("-f") + 1]
+        source, _ = volume_mounts(svc)[locustfile]
+        assert (REPO_ROOT / source).resolve() == REPO_ROOT / "locustfile.py"
+    assert depends_on(master)["api"]["condition"] == "service_healthy"
+
+
+def test_flower_needs_basic_auth_and_runs_celery_flower(services, tmp_path):
+    svc = services["flower"]
+    assert svc["image"] == services["api"]["image"], "Flower runs from the app image (tasks.flower_app)"
+    assert ("5555", 5555) in published_ports(svc)
+    assert "FLOWER_BASIC_AUTH" in env_of(svc)
+    cmd = interpolate(argv(svc["command"]))
+    script = cmd[cmd.index("-c") + 1]
+    stub = tmp_path / "celery"
+    stub.write_text('#!/bin/sh\necho "CELERY $*"\n')
+    stub.chmod(0o755)
+
+    def run(auth: str | None) -> subprocess.CompletedProcess:
+        env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"}
+        if auth is not None:
+            env["FLOWER_BASIC_AUTH"] = auth
+        return subprocess.run([shutil.which("sh"), "-c", script], env=env, capture_output=True, text=True, timeout=30)
+
+    for missing in (None, ""):
+        refused = run(missing)
+        assert refused.returncode != 0 and "CELERY" not in refused.stdout
+    ok = run("admin:secret")
+    assert ok.returncode == 0
+    assert "CELERY -A tasks.flower_app flower" in ok.stdout and "--port=5555" in ok.stdout
+    assert "GENQ_CELERY_EVENTS" in env_of(svc), "the workers' events switch is in the shared environment"

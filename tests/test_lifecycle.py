@@ -74,7 +74,7 @@ def test_the_api_never_imports_model_libraries(redis_url):
 def test_make_run_launcher_serves_and_stops_everything_on_sigterm(tiny_model, tmp_path):
     port = stackmod.free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_") and k != "REDIS_URL"}
-    env.update(GENQ_PORT=str(port), GENQ_API_WORKERS="1")
+    env.update(GENQ_PORT=str(port), GENQ_API_WORKERS="1", GENQ_DATA_DIR=str(tmp_path / "data"))
     log = tmp_path / "run.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -129,3 +129,141 @@ def test_a_job_whose_worker_dies_is_delivered_again(make_stack):
     assert job["status"] == "succeeded", job
     assert job["attempts"] == 2
     assert job["result"]["completion_tokens"] == 500
+
+
+# -- `make run`'s launcher: no orphans, durable data, workers restarted ------------------------
+
+
+class Launcher:
+    """`python -m scripts.stack` as `make run` starts it, on a port and data dir of its own."""
+
+    def __init__(self, tmp_path, data_dir, name: str = "run"):
+        self.port = stackmod.free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / f"{name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_") and k != "REDIS_URL"}
+        env.update(GENQ_PORT=str(self.port), GENQ_API_WORKERS="1", GENQ_DATA_DIR=str(data_dir))
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "scripts.stack"], cwd=stackmod.ROOT, env=env,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        def ready() -> bool:
+            assert self.proc.poll() is None, f"launcher exited {self.proc.returncode}:\n{self.text()[-3000:]}"
+            return stackmod.http_get(self.base + "/readyz")[0] == 200
+
+        stackmod.wait_until(ready, timeout, "make run's stack")
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL for the launcher's group; returns its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        return self.proc.returncode
+
+
+def _living(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running (an orphan's zombie, waiting for init to reap it, does not count)."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _cmdlines(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            out.append(" ".join(p.cmdline()))
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_a_killed_launcher_leaves_no_process_behind(tiny_model, tmp_path):
+    run = Launcher(tmp_path, tmp_path / "data")
+    descendants: list[psutil.Process] = []
+    try:
+        run.wait_ready()
+        descendants = run.descendants()
+        lines = _cmdlines(descendants)
+        assert any("redis-server" in c for c in lines), lines
+        assert any("-m worker" in c for c in lines), lines
+        assert sum("gunicorn" in c for c in lines) >= 2, lines  # master and its worker
+
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _living(descendants) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivors = _living(descendants)
+        assert not survivors, _cmdlines(survivors)
+    finally:
+        run.stop()
+        for p in _living(descendants):
+            p.kill()
+
+
+def test_make_run_keeps_jobs_across_a_restart(tiny_model, tmp_path):
+    data = tmp_path / "data"
+    first = Launcher(tmp_path, data, "first")
+    try:
+        first.wait_ready()
+        resp = requests.post(first.base + "/v1/jobs", json={"prompt": "Hello", "max_new_tokens": 8}, timeout=30)
+        assert resp.status_code == 202, resp.text
+        job_id = resp.json()["id"]
+        done = requests.get(f"{first.base}/v1/jobs/{job_id}?wait=30", timeout=60).json()
+        assert done["status"] == "succeeded", done
+    finally:
+        assert first.stop() == 0, first.text()[-3000:]
+    assert (data / "redis" / "appendonlydir").is_dir()
+
+    second = Launcher(tmp_path, data, "second")
+    try:
+        second.wait_ready()
+        again = requests.get(f"{second.base}/v1/jobs/{job_id}", timeout=30).json()
+        assert again["status"] == "succeeded" and again["result"] == done["result"], again
+        # The private Redis came back on the port it had (when free; clients get the URL anyway).
+        url = lambda text: text.split("private redis-server at ", 1)[1].split(",", 1)[0]  # noqa: E731
+        assert url(second.text()) == url(first.text())
+    finally:
+        assert second.stop() == 0, second.text()[-3000:]
+
+
+def test_make_run_restarts_a_worker_that_dies(tiny_model, tmp_path):
+    run = Launcher(tmp_path, tmp_path / "data")
+    try:
+        run.wait_ready()
+        (killed,) = [p for p in run.descendants() if "-m worker" in " ".join(p.cmdline())]
+        killed.kill()
+
+        def restarted() -> bool:
+            workers = [p for p in run.descendants() if "-m worker" in " ".join(_cmdlines([p]))]
+            return "restarting it in 1 s" in run.text() and any(p.pid != killed.pid for p in workers)
+
+        stackmod.wait_until(restarted, 30, "the worker to be restarted")
+        run.wait_ready(60)
+        resp = requests.post(run.base + "/basic_generate", json={"prompt": "Hello"}, timeout=60)
+        assert resp.status_code == 200 and resp.json()["generated_text"].startswith("Hello"), resp.text
+        assert run.proc.poll() is None
+        assert "worker exited (killed by SIGKILL)" in run.text()
+    finally:
+        assert run.stop() == 0, run.text()[-3000:]

@@ -49,6 +49,9 @@ class FakeResponse:
     def failure(self, exc):
         self.outcome = "failure: " + str(exc)
 
+    def iter_lines(self, decode_unicode=False):
+        yield from (self._body or {}).get("__sse__", [])
+
     def __enter__(self):
         return self
 
@@ -93,7 +96,7 @@ def run(cls, script):
     env = Environment(user_classes=[cls], host="http://genq.test")
     events = []
     env.events.request.add_listener(lambda **kw: events.append(
-        {"type": kw["request_type"], "name": kw["name"],
+        {"type": kw["request_type"], "name": kw["name"], "ms": kw["response_time"],
          "exception": None if kw.get("exception") is None else str(kw["exception"])}))
     sleeps = []
     locustfile._sleep = sleeps.append
@@ -160,6 +163,29 @@ out = {
     "basic_429": run(locustfile.BasicGenerateUser, [(429, {"detail": "full"}, {"Retry-After": "2"})]),
     "basic_500": run(locustfile.BasicGenerateUser, [(500, {"error": "x"})]),
 }
+def sse(*events):
+    lines = []
+    for event, data in events:
+        lines += ["id: 0", "event: " + event, "data: " + json.dumps(data), ""]
+    return {"__sse__": [": keep-alive", ""] + lines}
+
+
+if hasattr(locustfile, "StreamingUser"):
+    tokens = [("token", {"index": i, "text": " w"}) for i in range(3)]
+    done = ("done", {"text": "", "finish_reason": "length", "usage": {}})
+    out["stream_ok"] = run(locustfile.StreamingUser, [
+        queued,
+        (200, sse(*tokens, done)),
+        (200, {"id": JOB, "status": "succeeded", "timings": {"queued_s": 0.25}}),
+    ])
+    out["stream_error"] = run(locustfile.StreamingUser, [
+        queued,
+        (200, sse(tokens[0], ("error", {"error": {"code": "timeout"}}))),
+    ])
+    out["jobs_queue"] = run(locustfile.JobsUser, [
+        queued,
+        (200, {"id": JOB, "status": "succeeded", "result": {"text": " w"}, "timings": {"queued_s": 0.5}}),
+    ])
 if hasattr(locustfile, "BatchGenerateUser"):
     out["batch_ok"] = run(locustfile.BatchGenerateUser, [echo_prompts])
     out["batch_short"] = run(locustfile.BatchGenerateUser, [(200, {"generated_texts": ["x"]})])
@@ -257,7 +283,7 @@ def test_jobs_user_fails_on_non_succeeded_terminal_status(result, case):
 
 
 def test_terminal_statuses(result):
-    assert set(result["terminal"]) == {"succeeded", "failed", "cancelled"}
+    assert set(result["terminal"]) == {"succeeded", "failed", "cancelled", "expired"}
 
 
 @pytest.mark.parametrize("case,retry_after", [("jobs_429", 3), ("basic_429", 2)])
@@ -300,3 +326,47 @@ def test_locust_cli_lists_the_user_classes():
     for name in ("JobsUser", "BasicGenerateUser"):
         assert name in listed, listed
     assert "_GenqUser" not in listed
+
+
+def test_streaming_user_reports_ttft_itl_and_queue_time(result):
+    run = result["stream_ok"]
+    assert run["unused_replies"] == 0
+    submit, stream, record = run["calls"]
+    assert (submit["method"], submit["path"]) == ("POST", "/v1/jobs")
+    assert (stream["method"], stream["path"], stream["name"]) == ("GET", "/v1/jobs/j-1/stream", "/v1/jobs/[id]/stream")
+    assert stream["outcome"] == "success" and record["path"] == "/v1/jobs/j-1"
+    assert [e["type"] for e in run["events"]] == ["TTFT", "ITL", "ITL", "QUEUE"]
+    assert all(e["exception"] is None for e in run["events"])
+    assert run["events"][-1]["ms"] == 250.0
+    assert result["jobs_queue"]["events"][-1] == {
+        "type": "QUEUE", "name": "queue time (job record)", "ms": 500.0, "exception": None}
+
+
+def test_streaming_user_fails_a_stream_that_ends_in_an_error(result):
+    run = result["stream_error"]
+    assert run["calls"][1]["outcome"].startswith("failure") and "error" in run["calls"][1]["outcome"]
+    assert [e["type"] for e in run["events"]] == ["TTFT"], "no queue time for a failed job"
+
+
+def test_headless_run_against_a_real_stack_writes_ttft_rows(hf_stack, tmp_path):
+    """locust --headless for ~15 s against the tiny model: TTFT and ITL entries in its CSV."""
+    import csv
+
+    from scripts.stack import communicate_or_stop
+
+    prefix = tmp_path / "genq"
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "4", "-r", "4",
+         "-t", "15s", "--host", hf_stack.base, "--csv", str(prefix), "--only-summary", "StreamingUser"],
+        cwd=REPO_ROOT, env=_child_env(GENQ_LOCUST_MAX_NEW_TOKENS="8"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    out, err, overran = communicate_or_stop(popen, timeout=90)
+    assert not overran, err[-3000:]
+    with open(f"{prefix}_stats.csv", newline="") as fh:
+        rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(fh)}
+    ttft = rows[("TTFT", "/v1/jobs/[id]/stream")]
+    assert int(ttft["Request Count"]) >= 4 and int(ttft["Failure Count"]) == 0, ttft
+    assert int(rows[("ITL", "/v1/jobs/[id]/stream")]["Request Count"]) >= 7 * int(ttft["Request Count"]) - 7 * 4
+    assert int(rows[("QUEUE", "queue time (job record)")]["Request Count"]) >= 1
+    assert int(rows[("GET", "/v1/jobs/[id]/stream")]["Failure Count"]) == 0, err[-3000:]

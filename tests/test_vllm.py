@@ -90,3 +90,36 @@ def test_the_api_and_hf_worker_run_without_vllm(hf_stack):
     assert importlib.util.find_spec("vllm") is None
     resp = hf_stack.post("/basic_generate", json={"prompt": "Hello", "max_new_tokens": 3})
     assert resp.status_code == 200
+
+
+def test_a_job_past_its_deadline_is_aborted_with_its_partial_text(vllm_stack):
+    long = {"prompt": "Hello", "max_new_tokens": 400, "ignore_eos": True, "model": vllm_stack.name}
+    # Calibrate: how long this machine takes for the whole job; the deadline comes half-way.
+    whole = vllm_stack.get(f"/v1/jobs/{submit(vllm_stack, **long)}?wait=120").json()
+    assert whole["status"] == "succeeded", whole
+    timeout = 2 * whole["timings"]["queued_s"] + whole["timings"]["run_s"] / 2
+    job = vllm_stack.get(f"/v1/jobs/{submit(vllm_stack, **long, timeout_s=timeout)}?wait=120").json()
+    assert job["status"] == "failed" and job["error"]["code"] == "timeout", job
+    assert job["result"]["finish_reason"] == "timeout"
+    assert 0 < job["result"]["completion_tokens"] < long["max_new_tokens"]
+
+
+def test_vllm_sampling_parameters_and_logprobs(vllm_stack):
+    """vLLM's own parameters reach its SamplingParams; log-probabilities come back as vLLM's
+    server writes them, in the response and in the stream chunks."""
+    body = {
+        "model": vllm_stack.name, "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0,
+        "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 4,
+        "stop_token_ids": [2], "logprobs": 2, "n": 2,
+    }  # fmt: skip
+    out = vllm_stack.post("/v1/completions", json=body)
+    assert out.status_code == 200, out.text
+    choices = out.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1] and choices[0]["text"] == choices[1]["text"]
+    lp = choices[0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) >= 4
+    assert all(v <= 0 for v in lp["token_logprobs"]) and all(2 <= len(t) <= 3 for t in lp["top_logprobs"])
+    resp = vllm_stack.http.post(f"{vllm_stack.base}/v1/completions", json={**body, "n": 1, "stream": True}, stream=True, timeout=120)
+    chunks = [json.loads(line[6:]) for line in resp.iter_lines(decode_unicode=True) if line.startswith("data: {")]
+    streamed = [t for c in chunks for ch in c["choices"] if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import redis
 from flask import Flask
 
-from tasks.celery_app import make_celery
+from tasks.celery_app import SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
 from tasks.config import Settings, get_settings
-from webapp import errors
+from webapp import auth, batches, errors, metrics, openapi
 from webapp.routes import health, jobs, openai, teaching
-from webapp.service import JobService
+from webapp.service import EXTENSION, JobService
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -19,16 +19,25 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
 
-    # One connection per open request at most: a blocked wait or stream holds one.
+    # One connection per open request at most: a blocked wait or stream holds one. While Redis
+    # is down a call fails within seconds (the route answers 503); the socket timeout stays
+    # above the longest blocking XREAD (tasks.jobs.MAX_BLOCK_S, tasks.streams.BLOCK_S). The
+    # client reconnects by itself once Redis is back.
     client = redis.Redis.from_url(
         settings.redis_url,
         decode_responses=True,
         health_check_interval=30,
         max_connections=settings.api_connections + 32,
+        socket_connect_timeout=SENDER_CONNECT_TIMEOUT_S,
+        socket_timeout=SENDER_SOCKET_TIMEOUT_S,
     )
-    app.extensions["genq"] = JobService(settings, client, make_celery(settings))
+    app.extensions[EXTENSION] = JobService(settings, client, make_sender(settings))
 
     errors.register(app)
+    metrics.init_app(app, settings)
+    auth.init_app(app, settings)
+    openapi.init_app(app)
     for bp in (health.bp, jobs.bp, teaching.bp, openai.bp):
         app.register_blueprint(bp)
+    batches.init_app(app, settings)
     return app

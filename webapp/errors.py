@@ -6,11 +6,48 @@ from __future__ import annotations
 
 import logging
 
+import redis
 from flask import Flask, jsonify
-from pydantic import ValidationError
+from kombu.exceptions import OperationalError
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
+
+# Redis (broker, result backend, job records) not answering, as the API's Redis client,
+# Celery's publisher (kombu) and the sockets below them report it: down, restarting, loading
+# its data. A client may retry soon, so these are 503 with Retry-After, not 500. (A Redis
+# `ResponseError` is a bug of ours, not an outage, and stays a 500.)
+BROKER_ERRORS: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    OperationalError,
+    ConnectionError,
+)
+BROKER_RETRY_AFTER = {"Retry-After": "2"}
+BROKER_UNAVAILABLE = {
+    "code": "broker_unavailable",
+    "message": "the job queue (Redis) is unavailable; try again shortly",
+}
+
+
+# The HTTP status that tells a client how its job ended, by the job's error code: its own
+# request was wrong (400), it cancelled it (409), it ran out of time: its deadline (timeout_s,
+# deadline) or the worker's GENQ_JOB_TIMEOUT passed while it ran (`timeout`) or waited
+# (`expired`) (504). Any other code is the server's fault (502).
+JOB_ERROR_STATUS = {
+    "prompt_too_long": 400,
+    "invalid_request": 400,
+    "cancelled": 409,
+    "timeout": 504,
+    "expired": 504,
+}
+
+
+def job_error_status(code: str) -> int:
+    return JOB_ERROR_STATUS.get(code, 502)
 
 
 class APIError(Exception):
@@ -28,6 +65,27 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.status, self.code, self.message, self.param)
+
+
+def owned(rec: dict | None, owner: str | None, what: str, ident: str) -> dict:
+    """`rec` (a job's, file's or batch's record), unless it is missing or, with `owner` (an API
+    key's name), another key's: both are the same 404, which does not tell that it exists."""
+    if not rec or (owner is not None and rec.get("owner", "") != owner):
+        raise APIError(404, "not_found", f"no {what} {ident!r}")
+    return rec
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="what went wrong, for programs: `invalid_request`, `not_found`, ...")
+    message: str = Field(description="what went wrong, for people")
+    type: Literal["invalid_request_error", "server_error"] = Field(description="OpenAI's error type")
+    param: str | None = Field(description="the request field at fault, where one is")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (and of an SSE `error` event)."""
+
+    error: ErrorDetail
 
 
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
@@ -66,6 +124,13 @@ def register(app: Flask) -> None:
         first = exc.errors(include_url=False)[0]["loc"]
         param = ".".join(str(p) for p in first) or None
         return error_response(400, "invalid_request", describe(exc), param=param)
+
+    def _broker(exc: Exception):
+        log.warning("Redis unavailable: %s: %s", type(exc).__name__, exc)
+        return error_response(503, **BROKER_UNAVAILABLE, headers=BROKER_RETRY_AFTER)
+
+    for cls in BROKER_ERRORS:
+        app.register_error_handler(cls, _broker)
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException):

@@ -9,6 +9,15 @@ from gevent import monkey
 # Patch before anything imports ssl, sockets or threads (gunicorn would patch later, too late).
 monkey.patch_all()
 
+import glob  # noqa: E402
+import logging.config  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+from gunicorn import glogging  # noqa: E402
+
+from tasks import logs  # noqa: E402
 from tasks.config import get_settings  # noqa: E402
 
 _s = get_settings()
@@ -25,3 +34,58 @@ errorlog = "-"
 loglevel = "info"
 # gunicorn's control socket has one default path per user: two APIs on one machine would share it.
 control_socket_disable = True
+# The app's lines and gunicorn's own through one handler, as text or JSON (GENQ_LOG_FORMAT).
+# Not gunicorn's `logconfig_dict`: that turns its access log on, a line per request.
+logging.config.dictConfig(logs.config(_s.log_format, os.environ.get("GENQ_LOG_LEVEL", "INFO")))
+
+
+class _Logger(glogging.Logger):
+    def setup(self, cfg):
+        super().setup(cfg)
+        self.error_log.handlers.clear()
+        self.error_log.propagate = True
+
+
+logger_class = _Logger
+
+# Prometheus multiprocess mode (webapp/metrics.py): every API process writes its counts to files
+# in one directory, which /metrics adds up. Set here in the arbiter, before any process imports
+# prometheus_client: a directory of our own unless PROMETHEUS_MULTIPROC_DIR names one, emptied
+# at start either way (counts an earlier run left there would be added in).
+_own_metrics_dir = None
+if _s.api_metrics:
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        _own_metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="genq-metrics-")
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+    for _path in glob.glob(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "*.db")):
+        os.remove(_path)
+    from prometheus_client import values  # noqa: E402  (importing `webapp` may have loaded it)
+
+    values.ValueClass = values.get_value_class()
+
+
+def child_exit(server, worker):
+    """A dead API process's open-stream gauge no longer counts (its counters still do)."""
+    if _s.api_metrics:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    if _own_metrics_dir:
+        shutil.rmtree(_own_metrics_dir, ignore_errors=True)
+
+
+def post_worker_init(worker):
+    """Every API process drives the batches (webapp/batches.py; their state is all in Redis)."""
+    from webapp import batches
+
+    batches.start_driver(worker.wsgi)
+
+
+def when_ready(server):
+    """Once, in the arbiter: which API keys it takes, or a warning that it is open."""
+    from webapp import auth
+
+    auth.announce(_s, server.log)

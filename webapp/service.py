@@ -7,32 +7,70 @@ records and heartbeats and through Celery only to publish the job message.
 from __future__ import annotations
 
 import logging
+import select
+import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 import redis
 from celery import Celery
+from flask import current_app
 from kombu.exceptions import KombuError
 
 from tasks import keys
-from tasks.celery_app import GENERATE_TASK
+from tasks.celery_app import publish_job
 from tasks.config import Settings, queue_for
-from tasks.jobs import JobStore, decode_record
+from tasks.jobs import RESULT_RAW, JobStore, QuotaExceeded, decode_record
 from tasks.registry import Registry, WorkerInfo
-from tasks.schemas import JobSpec, JobStatus, SamplingParams
-from tasks.streams import follow
-from webapp.errors import APIError
+from tasks.schemas import JobSpec, JobStatus, SamplingParams, Scheduling
+from tasks.streams import StreamEnd, TokenEvent, follow
+from webapp.auth import ApiKey
+from webapp.errors import BROKER_ERRORS, BROKER_RETRY_AFTER, BROKER_UNAVAILABLE, APIError, job_error_status, owned
 
 log = logging.getLogger(__name__)
 
 # How long the list of live workers is reused before Redis is asked again.
 WORKERS_CACHE_S = 1.0
 
-# HTTP status of a blocking call whose job ended with this error code; any other code is the
-# server's fault (502).
-OUTCOME_STATUS = {"prompt_too_long": 400, "invalid_request": 400, "cancelled": 409}
+# A blocking call looks this often whether its client is still there.
+DISCONNECT_CHECK_S = 1.0
+
+
+class ClientGone(Exception):
+    """The client of a blocking call closed its connection."""
+
+
+def client_gone(environ: dict | None) -> Callable[[], bool] | None:
+    """A check whether this request's client has closed its connection, or None where the
+    server does not tell (gunicorn puts the client socket in the environ; the test client and
+    other servers do not). A readable socket that reads end-of-file (or fails) is closed; one
+    that merely has the client's next request waiting is not, nor one that cannot be peeked
+    at (TLS)."""
+    sock = (environ or {}).get("gunicorn.socket")
+    if sock is None:
+        return None
+
+    def gone() -> bool:
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return bool(readable) and not sock.recv(1, socket.MSG_PEEK)
+        except ValueError:
+            return False
+        except OSError:
+            return True
+
+    return gone
+
+
+# Where create_app keeps the app's JobService (app.extensions[EXTENSION]).
+EXTENSION = "genq"
+
+
+def current_service() -> "JobService":
+    """The JobService of the app handling this request."""
+    return current_app.extensions[EXTENSION]
 
 
 class JobService:
@@ -93,6 +131,19 @@ class JobService:
         limit = self.settings.max_new_tokens_limit
         if params.max_new_tokens is not None and params.max_new_tokens > limit:
             raise APIError(400, "invalid_request", f"max_new_tokens: must be at most {limit}")
+        if len(prompts) > self.settings.max_queue_depth:
+            # A 429 would tell the client to retry a request that can never fit.
+            raise APIError(
+                413,
+                "too_many_prompts",
+                f"{len(prompts)} prompts; at most {self.settings.max_queue_depth} jobs may wait "
+                "for a model, so send at most that many per request",
+                param="prompts",
+            )
+        for what, texts in (("prompt", prompts), ("stop", params.stop)):
+            if any("\0" in t for t in texts):
+                # Valid JSON, but C-string code on the way (tokenizers, engines) may cut there.
+                raise APIError(400, "invalid_request", f"{what}: must not contain NUL (\\u0000)", param=what)
         longest = max((len(p) for p in prompts), default=0)
         if longest > self.settings.max_prompt_chars:
             raise APIError(
@@ -101,19 +152,66 @@ class JobService:
                 f"prompt: {longest} characters; the limit is {self.settings.max_prompt_chars}",
             )
 
+    def key_limits(self, prompts: list[str], params: SamplingParams, key: ApiKey | None) -> SamplingParams:
+        """An API key's own limits: its max_new_tokens ceiling (the default is kept under it
+        too), and no more prompts per request than it may have jobs waiting (a 429 would tell
+        the client to retry a request that can never fit)."""
+        if key is None:
+            return params
+        if key.max_queued is not None and len(prompts) > key.max_queued:
+            raise APIError(
+                413, "too_many_prompts",
+                f"{len(prompts)} prompts; this API key may have at most {key.max_queued} jobs waiting",
+                param="prompts",
+            )  # fmt: skip
+        ceiling = key.max_new_tokens
+        if ceiling is not None and params.max_new_tokens is None:
+            if self.settings.default_max_new_tokens > ceiling:
+                return params.model_copy(update={"max_new_tokens": ceiling})
+        elif ceiling is not None and params.max_new_tokens > ceiling:
+            raise APIError(
+                400, "invalid_request", f"max_new_tokens: must be at most {ceiling} (this API key's limit)"
+            )
+        return params
+
     def submit(
-        self, prompts: list[str], params: SamplingParams, model: str | None, stream: bool = True
+        self,
+        prompts: list[str],
+        params: SamplingParams,
+        model: str | None,
+        stream: bool = True,
+        sched: Scheduling | None = None,
+        owner: ApiKey | None = None,
+        n: int = 1,
     ) -> list[str]:
         """Record and enqueue one job per prompt; returns their ids in order. `stream=False`
-        for jobs whose ids never reach a client: nobody could follow their token streams."""
+        for jobs whose ids never reach a client: nobody could follow their token streams.
+        `sched`: the jobs' priority and deadline. `owner`: the request's API key (None: the API
+        is open); the jobs carry its name and count against its quota. `n`: jobs per prompt
+        (OpenAI's `n`), in a row, the j-th with `params.for_choice(j)` (its own seed)."""
+        prompts = [p for p in prompts for _ in range(n)]
         self.validate(prompts, params)
+        params = self.key_limits(prompts, params, owner)
         model = self.resolve_model(model)
         queue = queue_for(model)
+        sched = sched or Scheduling()
+        deadline = sched.deadline_from(time.time())
         specs = [
-            JobSpec(id=str(uuid.uuid4()), model=model, prompt=p, params=params, stream=stream)
-            for p in prompts
+            JobSpec(id=str(uuid.uuid4()), model=model, prompt=p, params=params.for_choice(k % n), stream=stream,
+                    priority=sched.priority, deadline=deadline, owner=owner.name if owner else None)
+            for k, p in enumerate(prompts)
         ]
-        created, depth = self.store.create(specs, queue, self.settings.max_queue_depth)
+        try:
+            created, depth = self.store.create(
+                specs, queue, self.settings.max_queue_depth, owner.max_queued if owner else None
+            )
+        except QuotaExceeded as exc:
+            raise APIError(
+                429, "quota_exceeded",
+                f"this API key has {exc.queued} jobs waiting, its limit is {exc.limit}; "
+                "try again once some have started",
+                {"Retry-After": "1"},
+            ) from None  # fmt: skip
         if not created:
             raise APIError(
                 429,
@@ -127,36 +225,68 @@ class JobService:
 
     def _publish(self, spec: JobSpec, queue: str) -> None:
         try:
-            # argsrepr: logs and monitoring name the job, never its prompt (user data).
-            self.celery.send_task(
-                GENERATE_TASK,
-                args=[spec.model_dump(mode="json")],
-                task_id=spec.id,
-                queue=queue,
-                argsrepr=f"job {spec.id}",
-            )
+            publish_job(self.celery, spec, queue)
         except (KombuError, redis.RedisError, OSError) as exc:
-            log.exception("could not enqueue job %s", spec.id)
-            self.store.finish(
-                spec.id, JobStatus.failed, {"code": "enqueue_failed", "message": str(exc)}
-            )
-            raise APIError(503, "broker_unavailable", "the job queue is unavailable") from exc
+            log.warning("could not enqueue job %s: %s", spec.id, exc)
+            try:
+                self.store.finish(
+                    spec.id, JobStatus.failed, {"code": "enqueue_failed", "message": str(exc)}
+                )
+            except BROKER_ERRORS:
+                pass
+            raise APIError(503, **BROKER_UNAVAILABLE, headers=BROKER_RETRY_AFTER) from exc
 
     # -- outcomes --------------------------------------------------------------------------
 
-    def view(self, job_id: str, wait: float = 0.0, exists: bool = False) -> dict[str, Any]:
-        rec = self.store.wait(job_id, wait, exists) if wait > 0 else self.store.get(job_id)
-        if rec is None:
-            raise APIError(404, "not_found", f"no job {job_id!r}")
-        body = decode_record(rec)
+    def view(
+        self, job_id: str, wait: float = 0.0, exists: bool = False, owner: str | None = None
+    ) -> dict[str, Any]:
+        """The job as the client sees it. With `owner` (an API key's name) another key's job
+        is a 404 too, before any wait: a wait must not tell that the id exists."""
+        if owner is not None and wait > 0 and not exists:
+            self.require_job(job_id, owner)
+        # The result (if any) comes with the record, in one round trip.
+        result_key = self.celery.backend.get_key_for_task(job_id)
+        if wait > 0:
+            rec = self.store.wait(job_id, wait, exists, result_key)
+        else:
+            rec = self.store.get(job_id, result_key)
+        owned(rec, owner, "job", job_id)
+        raw = rec.pop(RESULT_RAW, None)
+        body = decode_record(self.store.expire_if_due(rec))
         if body["status"] == JobStatus.succeeded.value:
-            body["result"] = self.celery.AsyncResult(job_id).result
+            # What AsyncResult(job_id).result gives (None when the result is gone), without
+            # its own round trip.
+            body["result"] = None if raw is None else self.celery.backend.decode(raw).get("result")
         return body
 
-    def outcome(self, job_id: str, deadline: float) -> dict[str, Any]:
-        """The result of a job this request submitted, or the error that ended it."""
-        body = self.view(job_id, max(0.001, deadline - time.monotonic()), exists=True)
-        status = body["status"]
+    def collect(self, job_ids: list[str], environ: dict | None = None) -> list[dict[str, Any]]:
+        """The results of the jobs a blocking call submitted, in order. A client that closes
+        its connection meanwhile has its jobs cancelled (a retrying client would otherwise
+        double the load); `environ` is the request's WSGI environ, where that shows."""
+        deadline = time.monotonic() + self.settings.max_wait
+        gone = client_gone(environ)
+        try:
+            return [self.outcome(job_id, deadline, gone) for job_id in job_ids]
+        except ClientGone:
+            log.info("client went away: cancelling %d job(s)", len(job_ids))
+            self.abandon(job_ids)
+            raise APIError(499, "client_closed_request", "the client closed the connection") from None
+
+    def outcome(
+        self, job_id: str, deadline: float, gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any]:
+        """The result of a job this request submitted, or the error that ended it. With
+        `gone`, waits in slices and raises ClientGone once it says the client left."""
+        while True:
+            left = deadline - time.monotonic()
+            step = left if gone is None else min(left, DISCONNECT_CHECK_S)
+            body = self.view(job_id, max(0.001, step), exists=True)
+            status = body["status"]
+            if status not in (JobStatus.queued.value, JobStatus.running.value) or step >= left:
+                break
+            if gone():
+                raise ClientGone()
         if status == JobStatus.succeeded.value:
             return body["result"]
         if status in (JobStatus.queued.value, JobStatus.running.value):
@@ -164,17 +294,50 @@ class JobService:
                 504, "timeout", f"job {job_id} is still {status}; poll GET /v1/jobs/{job_id}"
             )
         error = body.get("error") or {"code": status, "message": f"job {status}"}
-        raise APIError(OUTCOME_STATUS.get(error["code"], 502), error["code"], error["message"])
+        raise APIError(job_error_status(error["code"]), error["code"], error["message"])
 
-    def events(self, job_ids: list[str], after: dict[str, int] | None = None):
-        """Token events of these jobs as they come (see tasks.streams.follow)."""
-        return follow(self.r, job_ids, self.store.get, after)
+    def events(
+        self, job_ids: list[str], after: dict[str, str | int] | None = None, cancel_on_exit: bool = False
+    ) -> Iterator:
+        """Token events of these jobs as they come (see tasks.streams.follow). If Redis fails
+        meanwhile, a last `(None, StreamEnd)` with code `broker_unavailable` ends them.
+        `cancel_on_exit`: the jobs belong to this stream alone, so those that have not ended
+        when it closes (its client went away) are cancelled."""
+        ended: set[str] = set()
+        try:
+            for item in follow(self.r, job_ids, self.store.get, after):
+                if item is not None:
+                    job_id, ev = item
+                    if isinstance(ev, StreamEnd) or (isinstance(ev, TokenEvent) and ev.finish):
+                        ended.add(job_id)
+                yield item
+        except BROKER_ERRORS as exc:
+            log.warning("Redis unavailable during a stream: %s", exc)
+            yield None, StreamEnd(JobStatus.failed.value, dict(BROKER_UNAVAILABLE))
+        finally:
+            if cancel_on_exit and len(ended) < len(job_ids):
+                self.abandon([j for j in job_ids if j not in ended])
 
-    def require_job(self, job_id: str) -> None:
-        if not self.r.exists(keys.job(job_id)):
+    def abandon(self, job_ids: Iterable[str]) -> None:
+        """Cancel those of these jobs that have not ended: nobody waits for them any more."""
+        try:
+            for job_id in job_ids:
+                self.store.cancel(job_id)
+        except BROKER_ERRORS as exc:
+            log.warning("could not cancel abandoned jobs: %s", exc)
+
+    def require_job(self, job_id: str, owner: str | None = None) -> None:
+        """404 unless the job exists and, with `owner`, belongs to that API key's name."""
+        if owner is None:
+            found = self.r.exists(keys.job(job_id))
+        else:
+            found = self.r.hget(keys.job(job_id), "owner") == owner
+        if not found:
             raise APIError(404, "not_found", f"no job {job_id!r}")
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
+    def cancel(self, job_id: str, owner: str | None = None) -> dict[str, Any]:
+        if owner is not None:
+            self.require_job(job_id, owner)
         moved, prev = self.store.cancel(job_id)
         if prev is None:
             raise APIError(404, "not_found", f"no job {job_id!r}")

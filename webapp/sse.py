@@ -1,11 +1,16 @@
-"""Server-sent events: framing, and the response that carries them."""
+"""Server-sent events: framing, the response that carries them, and the one loop that relays a
+job's token events to a client (`relay`), which every streaming route uses with its own
+framing of tokens, restarts and ends."""
 
 from __future__ import annotations
 
 import json
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Union
 
 from flask import Response
+
+from tasks.streams import Restart, StreamEnd, TokenEvent
 
 
 def event(data, event: str | None = None, id: int | str | None = None) -> str:
@@ -28,3 +33,59 @@ def response(chunks: Iterable[str]) -> Response:
         mimetype="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+@dataclass(frozen=True)
+class Last:
+    """A frame after which the relay stops reading events (the `tail` still follows)."""
+
+    frame: str
+
+
+# What a framing callback returns: a frame to send, a Last one, or None to send nothing.
+Frame = Union[str, Last, None]
+
+
+def relay(
+    events: Iterable,
+    token: Callable[[str, TokenEvent], Frame],
+    end: Callable[[str | None, StreamEnd], Frame],
+    restart: Callable[[str, Restart], Frame],
+    head: Iterable[str] = (),
+    tail: Callable[[bool], Iterable[str]] | None = None,
+) -> Response:
+    """An SSE response relaying `events` (JobService.events: `(job_id, event)` pairs, None
+    while nothing happens): `head` first, a keep-alive for each None, then each event as the
+    route frames it, and last `tail(complete)`, where `complete` is False if a callback ended
+    the stream early with a `Last` frame. The events are closed when the response ends, also
+    when the client went away, so the jobs a stream owns are cancelled then at once."""
+
+    def chunks() -> Iterator[str]:
+        try:
+            yield from head
+            complete = True
+            for item in events:
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                job_id, ev = item
+                if isinstance(ev, StreamEnd):
+                    out = end(job_id, ev)
+                elif isinstance(ev, Restart):
+                    out = restart(job_id, ev)
+                else:
+                    out = token(job_id, ev)
+                if isinstance(out, Last):
+                    yield out.frame
+                    complete = False
+                    break
+                if out:
+                    yield out
+            if tail is not None:
+                yield from tail(complete)
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()
+
+    return response(chunks())

@@ -9,19 +9,25 @@ batch slot of the engine; they all share the one engine.
 from __future__ import annotations
 
 import logging
+import logging.config
 import os
 import socket
 import threading
 import time
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+from kombu.exceptions import KombuError
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
-from tasks.celery_app import make_celery
+from tasks.celery_app import WORKER_REDIS_RETRY_S, make_celery
+from tasks import logs
 from tasks.config import get_settings, queue_for
 from tasks.jobs import JobStore
 from tasks.registry import Registry, WorkerInfo
-from worker import tasks
+from worker.recovery import Reaper, guard_restores
+from worker import metrics, tasks
 from worker.engines import create_engine
 from worker.publisher import StreamPublisher
 
@@ -29,18 +35,39 @@ log = logging.getLogger("genq.worker")
 
 
 class Heartbeat(threading.Thread):
-    def __init__(self, registry: Registry, info: WorkerInfo, interval: float):
+    """Announces the worker every `interval` and, on the same beat, restores the jobs of
+    workers whose heartbeats stopped; every `reconcile_every`, republishes jobs whose messages
+    were lost (worker/recovery.py)."""
+
+    def __init__(
+        self, registry: Registry, info: WorkerInfo, interval: float, reaper: Reaper, reconcile_every: float
+    ):
         super().__init__(name="genq-heartbeat", daemon=True)
-        self.registry, self.info, self.interval = registry, info, interval
+        self.registry, self.info, self.interval, self.reaper = registry, info, interval, reaper
+        self.reconcile_every = reconcile_every
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        reconciled = time.monotonic()
         while not self.stopped.is_set():
             try:
                 self.registry.announce(self.info)
-            except redis.RedisError as exc:
+                self.reaper.sweep()
+                if time.monotonic() - reconciled >= self.reconcile_every:
+                    reconciled = time.monotonic()
+                    self.reaper.reconcile()
+            except (redis.RedisError, KombuError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
+                self.reaper.reset()
             self.stopped.wait(self.interval)
+
+    def drain(self) -> None:
+        """Keep beating, but as a worker that takes no new calls."""
+        self.info = self.info.model_copy(update={"draining": True})
+        try:
+            self.registry.announce(self.info)
+        except redis.RedisError:
+            pass
 
     def stop(self) -> None:
         self.stopped.set()
@@ -54,24 +81,29 @@ class Heartbeat(threading.Thread):
 
 def main() -> None:
     settings = get_settings()
-    logging.basicConfig(
-        level=os.environ.get("GENQ_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.config.dictConfig(logs.config(settings.log_format, os.environ.get("GENQ_LOG_LEVEL", "INFO")))
     host = socket.gethostname()
     name = f"genq-{settings.engine}-{os.getpid()}@{host}"
     queue = queue_for(settings.served_model)
 
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    # Writes that finish a job must outlive a Redis restart: retry with backoff, then give up.
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=int(WORKER_REDIS_RETRY_S / 2))
+    client = redis.Redis.from_url(
+        settings.redis_url, decode_responses=True, retry=retry, socket_connect_timeout=2, socket_timeout=10
+    )
     publisher = StreamPublisher(client, settings.result_ttl, settings.max_new_tokens_limit + 16)
 
     started = time.monotonic()
     log.info("loading %s engine for %s", settings.engine, settings.model)
     engine = create_engine(settings, publisher)
     log.info("engine loaded in %.1f s; capacity %d", time.monotonic() - started, engine.capacity)
+    metrics_port = metrics.start(settings.metrics_port, settings.metrics_host, settings.served_model,
+                                 engine.name, engine.max_model_len)
+    store = JobStore(client, settings.result_ttl, settings.max_attempts)
     tasks.runtime.engine = engine
-    tasks.runtime.store = JobStore(client, settings.result_ttl)
+    tasks.runtime.store = store
     tasks.runtime.worker_name = name
+    tasks.runtime.publisher = publisher
     app = make_celery(settings)
     tasks.register(app)
 
@@ -80,29 +112,37 @@ def main() -> None:
         model=settings.served_model,
         engine=engine.name,
         capacity=engine.capacity,
+        reserved=engine.reserved,
         host=host,
         pid=os.getpid(),
         started=time.time(),
         max_model_len=engine.max_model_len,
+        metrics_port=metrics_port,
     )
-    heartbeat = Heartbeat(Registry(client, settings.heartbeat_ttl), info, settings.heartbeat_interval)
+    registry = Registry(client, settings.heartbeat_ttl)
+    running = tasks.runtime.running
+    reaper = Reaper(app, store, registry, name, queue, running=lambda: running.copy().keys())
+    heartbeat = Heartbeat(registry, info, settings.heartbeat_interval, reaper, settings.reconcile_interval)
+    guard_restores(lambda: running.copy().values())
 
     @worker_ready.connect(weak=False)
     def _announce(**_):
         # Two INFO lines per job (received; succeeded with its whole result) are noise at
         # hundreds of jobs a second, and the result is user data.
-        for name in ("celery.app.trace", "celery.worker.strategy"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+        for noisy in ("celery.app.trace", "celery.worker.strategy"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
         heartbeat.start()
         log.info("worker %s ready on queue %s", name, queue)
 
     @worker_shutting_down.connect(weak=False)
-    def _withdraw(**_):
-        # Stop taking new blocking calls at once; running jobs still finish (warm shutdown).
-        heartbeat.stop()
+    def _drain(**_):
+        # Stop taking new blocking calls at once; running jobs still finish (warm shutdown),
+        # watched over by the heartbeat until the worker is gone.
+        heartbeat.drain()
 
     @worker_shutdown.connect(weak=False)
     def _close(**_):
+        heartbeat.stop()
         engine.close()
         publisher.close()
 
@@ -116,7 +156,8 @@ def main() -> None:
             f"--loglevel={os.environ.get('GENQ_LOG_LEVEL', 'INFO')}",
             "--without-gossip",
             "--without-mingle",
-            "--without-heartbeat",
+            # Flower needs the event heartbeat to see workers; nothing else reads it.
+            *([] if settings.celery_events else ["--without-heartbeat"]),
         ]
     )
 

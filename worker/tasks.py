@@ -3,23 +3,31 @@
 The job record moves to `running` before the engine sees the job, and to its final status in
 `task_postrun`, which Celery sends after it has stored the result in the result backend, so a
 client woken by the final status always finds the result there.
+
+A job with a deadline travels with Celery's `expires`: a worker that receives its message too
+late drops it unrun (on any pool) and says so with `task_revoked(expired=True)`, where the
+record becomes `expired`; the task looks once more itself before it starts the job. Running
+jobs are held to their deadline by the engine.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
+import redis
 from celery import Celery
 from celery.exceptions import Ignore
-from celery.signals import task_postrun
+from celery.signals import task_postrun, task_revoked
 
-from tasks import keys
 from tasks.celery_app import GENERATE_TASK
-from tasks.jobs import JobStore
+from tasks.jobs import ACTIVE, JobStore
 from tasks.schemas import JobSpec, JobStatus
 from worker.engines import Engine, GenerationError
 from worker.engines.base import JobCancelled
+from worker import metrics
+from worker.publisher import StreamPublisher
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +41,12 @@ class Runtime:
     engine: Engine
     store: JobStore
     worker_name: str
+    publisher: StreamPublisher | None = None
+
+    def __init__(self) -> None:
+        # The jobs this process is running (or about to start): job id -> delivery tag.
+        # Recovery compares it with the in-flight hash Redis holds for this worker.
+        self.running: dict[str, str] = {}
 
 
 runtime = Runtime()
@@ -42,39 +56,91 @@ def register(app: Celery) -> None:
     @app.task(name=GENERATE_TASK, bind=True)
     def generate(self, job: dict) -> dict:
         spec = JobSpec.model_validate(job)
-        moved, prev = runtime.store.mark_running(spec.id, runtime.worker_name)
-        if not moved:
-            # Cancelled while queued, already final, or its record expired: nothing to run.
-            log.info("job %s skipped: status %s", spec.id, prev)
+        if spec.deadline is not None and time.time() >= spec.deadline:
+            runtime.store.expire(spec.id, allowed=ACTIVE)
             raise Ignore()
-        if prev is JobStatus.running:
-            # Delivered again after its worker died: its token stream starts over.
-            runtime.store.r.delete(keys.stream(spec.id))
-        future = runtime.engine.submit(spec)
-        while True:
-            try:
-                result = future.result(timeout=CANCEL_POLL_S)
-                break
-            except FutureTimeout:
-                rec = runtime.store.get(spec.id)
-                if rec is None or rec["status"] == JobStatus.cancelled.value:
-                    runtime.engine.cancel(spec.id)
-            except JobCancelled:
-                raise Ignore() from None
+        tag = (self.request.properties or {}).get("delivery_tag", "")
+        runtime.running[spec.id] = tag  # before Redis says so: never in-flight and unknown here
+        try:
+            attempt = runtime.store.start(spec.id, runtime.worker_name, tag)
+        except BaseException:
+            runtime.running.pop(spec.id, None)
+            raise
+        if not attempt.run:
+            runtime.running.pop(spec.id, None)
+            # Cancelled while queued, already final, expired, or out of attempts: nothing to run.
+            log.info("job %s skipped: status %s%s", spec.id, attempt.prev,
+                     " (out of attempts)" if attempt.exhausted else "")
+            raise Ignore()
+        self.request.genq_attempt = attempt.number
+        metrics.job_started(spec, attempt.number, self.request)
+        publisher = runtime.publisher
+        if publisher is not None and spec.stream:
+            publisher.attempts[spec.id] = attempt.number
+        try:
+            future = runtime.engine.submit(spec)
+            while True:
+                try:
+                    result = future.result(timeout=CANCEL_POLL_S)
+                    break
+                except FutureTimeout:
+                    try:
+                        rec = runtime.store.get(spec.id)
+                    except redis.RedisError:
+                        continue  # Redis is away; the job goes on, the next look may work
+                    if rec is None or rec["status"] == JobStatus.cancelled.value:
+                        runtime.engine.cancel(spec.id)
+                    elif int(rec.get("attempts", 0)) != attempt.number:
+                        # Given up for dead while it hung; the job runs elsewhere now.
+                        log.warning("job %s attempt %d superseded; dropping it", spec.id, attempt.number)
+                        runtime.engine.cancel(spec.id)
+                except JobCancelled:
+                    raise Ignore() from None
+        finally:
+            if publisher is not None:
+                publisher.attempts.pop(spec.id, None)
         result.worker = runtime.worker_name
         return result.model_dump()
 
+    # A successful result and the job's succeeded status go to Redis in one call
+    # (tasks/backend.py); task_postrun then has nothing left to write for it.
+    app.backend.succeed = lambda *args: runtime.store.succeed(*args)
     task_postrun.connect(_record_outcome, weak=False)
+    task_revoked.connect(_record_expiry, weak=False)
+
+
+def _record_expiry(sender=None, request=None, expired=False, **_):
+    """Celery dropped a job's message because its deadline had passed: it never runs. A job
+    still `running` here was restored after its worker was lost; it expires as well."""
+    if expired and request is not None and getattr(sender, "name", None) == GENERATE_TASK:
+        runtime.store.expire(request.id, allowed=ACTIVE)
 
 
 def _record_outcome(task_id=None, task=None, retval=None, state=None, **_):
     if task is None or task.name != GENERATE_TASK:
         return
+    try:
+        _finish(task_id, task, retval, state)
+    finally:
+        # Only now, with the job's final status written (and so its in-flight entry gone): the
+        # reconciler takes a job in flight here but not running for one whose finish was lost.
+        runtime.running.pop(task_id, None)
+
+
+def _finish(task_id, task, retval, state) -> None:
+    attempt = getattr(task.request, "genq_attempt", None)
+    if attempt is None:
+        return
+    metrics.job_finished(task_id, state, retval)
     if state == "SUCCESS":
-        runtime.store.finish(task_id, JobStatus.succeeded)
+        if not getattr(task.request, "genq_finished", False):
+            runtime.store.finish(task_id, JobStatus.succeeded, fence=attempt)
     elif state == "FAILURE":
+        partial = None
         if isinstance(retval, GenerationError):
             error = {"code": retval.code, "message": retval.message}
+            if retval.partial is not None:
+                partial = retval.partial.model_copy(update={"worker": runtime.worker_name}).model_dump()
         else:
             error = {"code": "internal", "message": f"{type(retval).__name__}: {retval}"}
-        runtime.store.finish(task_id, JobStatus.failed, error)
+        runtime.store.finish(task_id, JobStatus.failed, error, fence=attempt, result=partial)

@@ -2,31 +2,38 @@
 
 from __future__ import annotations
 
-import redis
-from flask import Blueprint, current_app
+from flask import Blueprint
 
-from webapp.errors import error_response
+from webapp.errors import BROKER_ERRORS, BROKER_RETRY_AFTER, error_response
+from webapp.openapi import doc
+from webapp.responses import Health, Ready
+from webapp.service import current_service
 
 bp = Blueprint("health", __name__)
 
 
 @bp.get("/healthz")
+@doc(response=Health)
 def healthz():
-    return {"status": "ok"}
+    """Liveness: the API process answers."""
+    return Health().model_dump()
 
 
 @bp.get("/readyz")
+@doc(response=Ready, errors=(503,))
 def readyz():
-    service = current_app.extensions["genq"]
+    """Readiness: a live worker with a loaded model serves the default model (503 otherwise)."""
+    service = current_service()
     model = service.settings.served_model
     try:
-        workers = service.workers_for(model)
-    except redis.RedisError as exc:
-        return error_response(503, "redis_unavailable", f"Redis does not answer: {exc}")
+        workers = [w for w in service.live_workers(fresh=True) if w.model == model]
+    except BROKER_ERRORS as exc:
+        why = f"Redis does not answer: {type(exc).__name__}: {exc}"
+        return error_response(503, "broker_unavailable", why, BROKER_RETRY_AFTER)
     if not workers:
         return error_response(503, "not_ready", f"no live worker with a loaded model serves {model!r}")
     return {
         "status": "ready",
         "model": model,
-        "workers": [w.model_dump(include={"name", "engine", "capacity", "host"}) for w in workers],
+        "workers": [w.model_dump(include={"name", "engine", "capacity", "host", "metrics_port"}) for w in workers],
     }

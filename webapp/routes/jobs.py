@@ -6,72 +6,96 @@ import math
 
 from flask import Blueprint, current_app, request, url_for
 
-from tasks.schemas import JobRequest, SamplingParams
-from tasks.streams import StreamEnd
-from webapp import sse
-from webapp.errors import APIError, error_body
+from tasks.schemas import JobRequest, split_request
+from tasks.streams import parse_event_id
+from webapp import auth, sse
+from webapp.errors import APIError, error_body, job_error_status
+from webapp.openapi import SSE, SUBMIT_ERRORS, Param, doc
+from webapp.responses import JobCreated, JobView
 from webapp.routes._body import parse
+from webapp.service import current_service
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 
 
-def _service():
-    return current_app.extensions["genq"]
-
-
 @bp.post("")
+@doc(body=JobRequest, status=202, response=JobCreated, errors=SUBMIT_ERRORS,
+     headers={"Location": "the job's URL"})
 def create_job():
+    """Queue one job."""
     req = parse(JobRequest)
-    params = SamplingParams.model_validate(req.model_dump(exclude={"prompt", "model"}))
-    (job_id,) = _service().submit([req.prompt], params, req.model)
+    params, sched = split_request(req, exclude={"prompt", "model"})
+    (job_id,) = current_service().submit([req.prompt], params, req.model, sched=sched, owner=auth.current_owner())
     location = url_for("jobs.get_job", job_id=job_id)
-    return {"id": job_id, "status": "queued"}, 202, {"Location": location}
+    return JobCreated(id=job_id).model_dump(), 202, {"Location": location}
 
 
 @bp.get("/<job_id>")
+@doc(response=JobView, errors=(400, 404, 503), params=(
+    Param("wait", "query", {"type": "number", "minimum": 0},
+          "wait up to this many seconds (at most GENQ_MAX_WAIT) for the job to end"),
+))  # fmt: skip
 def get_job(job_id: str):
+    """A job: its status, timings, and its result or error once it has ended."""
     wait = _wait_arg()
-    return _service().view(job_id, wait)
+    return current_service().view(job_id, wait, owner=auth.owner_name())
+
+
+RESTARTED = "the job started over on another worker: discard the text received so far"
 
 
 @bp.get("/<job_id>/stream")
+@doc(stream=SSE("`token` events, then `done` or `error`; `restart`", ("token", "done", "error", "restart")),
+     errors=(400, 404, 503), params=(
+    Param("Last-Event-ID", "header", {"type": "string"}, "resume after this event id (`k` or `attempt:k`)"),
+    Param("last_event_id", "query", {"type": "string"}, "the same, for clients that cannot set headers"),
+))  # fmt: skip
 def stream_job(job_id: str):
-    """SSE: `token` events `{"index", "text"}`, then `done` `{"text", "finish_reason", "usage"}`
-    or `error`. Event ids are token indexes; `Last-Event-ID` resumes after one."""
-    service = _service()
-    service.require_job(job_id)
+    """A job's tokens as server-sent events.
+
+    SSE: `token` events `{"index", "text"}`, then `done` `{"text", "finish_reason", "usage"}`
+    (both with `logprobs` for a job that asked for them) or `error`; `restart` when a sampled
+    job started over after its worker died. Event ids are token indexes (`attempt:index` after
+    a restart); `Last-Event-ID` resumes after one."""
+    service = current_service()
+    service.require_job(job_id, auth.owner_name())
     after = _last_event_id()
 
-    def chunks():
-        for item in service.events([job_id], {job_id: after}):
-            if item is None:
-                yield sse.KEEPALIVE
-                continue
-            _, ev = item
-            if isinstance(ev, StreamEnd):
-                yield sse.event(error_body(409 if ev.status == "cancelled" else 502, **ev.error), "error")
-            elif ev.finish:
-                done = {"text": ev.text, "finish_reason": ev.finish, "usage": ev.usage}
-                yield sse.event(done, "done", ev.index)
-            else:
-                yield sse.event({"index": ev.index, "text": ev.text}, "token", ev.index)
+    def token(_, ev):
+        # A job with `logprobs` has them in its events too: those of the event's tokens.
+        lp = {"logprobs": ev.logprobs} if ev.logprobs else {}
+        if ev.finish:
+            done = {"text": ev.text, "finish_reason": ev.finish, "usage": ev.usage, **lp}
+            return sse.event(done, "done", ev.event_id)
+        return sse.event({"index": ev.index, "text": ev.text, **lp}, "token", ev.event_id)
 
-    return sse.response(chunks())
+    def end(_, ev):
+        return sse.event(error_body(job_error_status(ev.error["code"]), **ev.error), "error")
+
+    def restart(_, ev):
+        return sse.event({"attempt": ev.attempt, "message": RESTARTED}, "restart")
+
+    return sse.relay(service.events([job_id], {job_id: after}), token, end, restart)
 
 
-def _last_event_id() -> int:
+def _last_event_id() -> str:
     raw = request.headers.get("Last-Event-ID", request.args.get("last_event_id"))
     if raw is None:
-        return -1
+        return "-1"
     try:
-        return int(raw)
+        parse_event_id(raw)
     except ValueError:
-        raise APIError(400, "invalid_request", "Last-Event-ID: an event id (a whole number)") from None
+        raise APIError(
+            400, "invalid_request", "Last-Event-ID: an event id (`k` or `attempt:k`, whole numbers)"
+        ) from None
+    return raw
 
 
 @bp.post("/<job_id>/cancel")
+@doc(response=JobView, errors=(404, 409, 503))
 def cancel_job(job_id: str):
-    return _service().cancel(job_id)
+    """Cancel a job that has not ended; it is returned as it is then."""
+    return current_service().cancel(job_id, auth.owner_name())
 
 
 def _wait_arg() -> float:

@@ -7,50 +7,54 @@ fails at once with 503 when no worker serves the model.
 
 from __future__ import annotations
 
-import time
+from flask import Blueprint, request
 
-from flask import Blueprint, current_app
-
-from tasks.schemas import BasicGenerateRequest, GenerateRequest, SamplingParams
-from tasks.streams import StreamEnd
-from webapp import sse
+from tasks.schemas import BasicGenerateRequest, GenerateRequest, split_request
+from webapp import auth, sse
+from webapp.openapi import BLOCKING_ERRORS, SSE, SUBMIT_ERRORS, doc
+from webapp.responses import BasicGenerateResponse, GenerateResponse
 from webapp.routes._body import parse
+from webapp.service import current_service
 
 bp = Blueprint("teaching", __name__)
 
 
 def _submit(prompts: list[str], req, engine: str | None = None, stream: bool = False) -> list[str]:
-    service = current_app.extensions["genq"]
-    params = SamplingParams.model_validate(req.model_dump(exclude={"prompt", "prompts"}))
+    service = current_service()
+    params, sched = split_request(req, exclude={"prompt", "prompts"})
     service.validate(prompts, params)
     model = service.model_for_engine(engine) if engine else service.resolve_model(None)
     if not prompts:
         return []
     service.require_worker(model)
-    return service.submit(prompts, params, model, stream)
+    return service.submit(prompts, params, model, stream, sched, owner=auth.current_owner())
 
 
 def _completions(ids: list[str]) -> list[str]:
-    service = current_app.extensions["genq"]
-    deadline = time.monotonic() + service.settings.max_wait
-    return [service.outcome(job_id, deadline)["text"] for job_id in ids]
+    service = current_service()
+    return [r["text"] for r in service.collect(ids, request.environ)]
 
 
 @bp.post("/basic_generate")
+@doc(body=BasicGenerateRequest, response=BasicGenerateResponse, errors=BLOCKING_ERRORS, tag="teaching")
 def basic_generate():
+    """Complete one prompt, blocking until it is done."""
     req = parse(BasicGenerateRequest)
     (completion,) = _completions(_submit([req.prompt], req))
-    return {"generated_text": req.prompt + completion}
+    return BasicGenerateResponse(generated_text=req.prompt + completion).model_dump()
 
 
 @bp.post("/generate")
+@doc(body=GenerateRequest, response=GenerateResponse, errors=BLOCKING_ERRORS, tag="teaching")
 def generate():
+    """Complete several prompts, blocking until all are done."""
     req = parse(GenerateRequest)
     completions = _completions(_submit(req.prompts, req))
     return {"generated_texts": [p + c for p, c in zip(req.prompts, completions)]}
 
 
 @bp.post("/generate_vllm")
+@doc(body=GenerateRequest, response=GenerateResponse, errors=BLOCKING_ERRORS, tag="teaching")
 def generate_vllm():
     """Completions without their prompts, as vLLM returns them, from a vLLM worker."""
     req = parse(GenerateRequest)
@@ -58,21 +62,22 @@ def generate_vllm():
 
 
 @bp.post("/generate_stream")
+@doc(body=BasicGenerateRequest, stream=SSE('`{"token", "sequence_id"}` per token'), errors=SUBMIT_ERRORS,
+     tag="teaching")
 def generate_stream():
     """One `data: {"token", "sequence_id"}` line per generated token."""
     req = parse(BasicGenerateRequest)
     (job_id,) = _submit([req.prompt], req, stream=True)
-    service = current_app.extensions["genq"]
 
-    def chunks():
-        for item in service.events([job_id]):
-            if item is None:
-                yield sse.KEEPALIVE
-                continue
-            _, ev = item
-            if isinstance(ev, StreamEnd):
-                yield sse.event({"error": ev.error, "sequence_id": job_id})
-            elif ev.text or not ev.finish:
-                yield sse.event({"token": ev.text, "sequence_id": job_id})
+    def token(_, ev):
+        if ev.text or not ev.finish:
+            return sse.event({"token": ev.text, "sequence_id": job_id})
+        return None
 
-    return sse.response(chunks())
+    def end(_, ev):
+        return sse.event({"error": ev.error, "sequence_id": job_id})
+
+    def restart(_, ev):
+        return sse.event({"restart": True, "attempt": ev.attempt, "sequence_id": job_id})
+
+    return sse.relay(current_service().events([job_id], cancel_on_exit=True), token, end, restart)

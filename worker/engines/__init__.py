@@ -12,6 +12,10 @@ def create_engine(settings: Settings, sink: Sink | None = None) -> Engine:
         from worker.engines.echo import EchoEngine
 
         return EchoEngine(settings, sink)
+    if settings.engine == "sim":
+        from worker.engines.sim import SimEngine
+
+        return SimEngine(settings, sink)
     if settings.engine == "hf":
         from worker.engines.hf import HFEngine
 

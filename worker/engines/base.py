@@ -4,6 +4,7 @@ which engines hand out token events and finished results."""
 from __future__ import annotations
 
 import abc
+import time
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -12,12 +13,14 @@ from tasks.streams import TokenEvent
 
 
 class GenerationError(Exception):
-    """A job that cannot be served; `code` reaches the client in the job's error."""
+    """A job that cannot be served; `code` reaches the client in the job's error, `partial`
+    (a job that ran out of time: what it had generated) in its result."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, partial: GenerationResult | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.partial = partial
 
 
 class JobCancelled(Exception):
@@ -44,8 +47,28 @@ class DirectSink:
 class Engine(abc.ABC):
     name: str
     capacity: int
+    # Of `capacity`, the slots that only foreground jobs (priority <= 0) fill (the hf engine's
+    # GENQ_RESERVED_SLOTS): the batch driver keeps batch lines out of them.
+    reserved: int = 0
     model: str
     max_model_len: int | None = None
+    job_timeout: float = 600.0
+
+    def time_limit(self, spec: JobSpec) -> tuple[float, str]:
+        """Seconds this job may still run, and why it fails once they are gone: its own
+        deadline, never later than the worker's ceiling (GENQ_JOB_TIMEOUT) from now."""
+        left = spec.deadline - time.time() if spec.deadline is not None else None
+        if left is not None and left < self.job_timeout:
+            return left, "the job's deadline passed while it ran"
+        return self.job_timeout, f"the job ran longer than GENQ_JOB_TIMEOUT ({self.job_timeout:g} s)"
+
+    def configure(self, settings, sink: Sink | None) -> None:
+        """The attributes every engine takes from the settings (tasks.config.Settings)."""
+        self.sink = sink or DirectSink()
+        self.model = settings.served_model
+        self.capacity = settings.max_batch_size
+        self.default_max_new = settings.default_max_new_tokens
+        self.job_timeout = settings.job_timeout
 
     @abc.abstractmethod
     def submit(self, spec: JobSpec) -> Future[GenerationResult]:

@@ -1,15 +1,18 @@
 """The Hugging Face transformers engine, with continuous batching.
 
 One scheduler thread owns the model. Between two decode steps it admits every job that has
-arrived (one left-padded prefill for all of them, whose KV cache is then joined to the running
-batch) and drops every job that has finished, been cancelled or run out of time, so a job never
-waits for a whole batch to end before it starts. Each decode step feeds every running job's
-last token at once. Positions come from the attention mask (OPT derives them from its
+arrived (one left-padded prefill for all of them, whose keys/values are then copied into free
+rows of the batch's preallocated KV cache, worker/engines/kvcache.py) and drops every job that
+has finished, been cancelled or run out of time, so a job never waits for a whole batch to
+end before it starts. Each decode step feeds every running job's last token at once. Positions come from the attention mask (OPT derives them from its
 cumulative sum), so the left padding that joins sequences of different lengths is invisible to
-the model; columns that every row pads are trimmed whenever rows leave.
+the model; columns that every row pads leave the cache's window whenever rows leave. A decode
+step writes the new keys/values in place: nothing but the matmuls grows with the batch's length.
 
 Greedy decoding here gives the same tokens as `model.generate(do_sample=False)` on the same
-prompt, which the tests check through the whole queue.
+prompt, which the tests check through the whole queue. vLLM's penalties, `min_tokens` and
+log-probabilities are tensor operations over the whole batch in each step (worker/engines/
+logits.py), skipped entirely while no job in the batch asks for them.
 """
 
 from __future__ import annotations
@@ -22,14 +25,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from tasks.config import Settings
-from tasks.schemas import GenerationResult, JobSpec
+from tasks.schemas import GenerationResult, JobSpec, Logprobs
 from tasks.streams import TokenEvent
+from worker import metrics
 from worker.engines.base import DirectSink, Engine, GenerationError, JobCancelled, Resolved, Sink
+from worker.engines.dtype import resolve as resolve_dtype
+from worker.engines.kvcache import SlotKV
+from worker.engines.logits import RowProcessors, logprobs, sample
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +45,8 @@ class _Seq:
     spec: JobSpec
     prompt_ids: list[int]
     max_new: int
-    deadline: float
+    deadline: float  # time.monotonic(): the job's own deadline or the worker's ceiling
+    timeout_message: str
     future: Future = field(default_factory=Future)
     generator: torch.Generator | None = None
     out: list[int] = field(default_factory=list)
@@ -51,6 +58,15 @@ class _Seq:
     read_off: int = 0
     sent: int = 0  # characters of `text` already streamed
     events: int = 0  # token events streamed
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the job, as EOS does
+    # With the `logprobs` parameter: every token's so far (`lp`), those not yet streamed
+    # (`lp_unsent`), and the characters the tokens so far take (`lp_offset`).
+    lp: Logprobs | None = None
+    lp_unsent: Logprobs | None = None
+    lp_offset: int = 0
+    # A background job (priority > 0: batch lines) sits decode steps out while foreground jobs
+    # run (HFEngine._decode).
+    background: bool = False
 
     @property
     def holdback(self) -> int:
@@ -65,31 +81,55 @@ class HFEngine(Engine):
     def __init__(self, settings: Settings, sink: Sink | None = None):
         self.sink = sink or DirectSink()
         self.model = settings.served_model
+        # Background jobs (priority > 0: batch lines) fill at most `background_capacity` rows;
+        # the reserved ones are for foreground jobs only, so that an interactive request does
+        # not wait for a batch line to finish (the batch driver keeps the fleet's batch lines
+        # within what the workers run beside that reserve: webapp/batches.py).
         self.capacity = settings.max_batch_size
+        reserved = settings.reserved_slots if settings.reserved_slots is not None else self.capacity // 8
+        self.background_capacity = max(1, self.capacity - reserved)
+        self.reserved = self.capacity - self.background_capacity
+        self.background_every = settings.background_step_every
         self.default_max_new = settings.default_max_new_tokens
         self.job_timeout = settings.job_timeout
         hf_logging.disable_progress_bar()
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        log.info("torch threads: %d", torch.get_num_threads())
         self.tok = AutoTokenizer.from_pretrained(settings.model)
-        self.lm = AutoModelForCausalLM.from_pretrained(
-            settings.model, dtype=getattr(torch, settings.dtype)
-        ).eval()
+        dtype, why = resolve_dtype(settings.dtype)
+        log.info("weights in %s (%s)", dtype, why)
+        self.lm = AutoModelForCausalLM.from_pretrained(settings.model, dtype=getattr(torch, dtype)).eval()
         cfg = self.lm.config
         self.max_model_len = getattr(cfg, "max_position_embeddings", None)
         self.eos = self.tok.eos_token_id if self.tok.eos_token_id is not None else cfg.eos_token_id
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos
 
         self._inbox: queue.SimpleQueue[_Seq | None] = queue.SimpleQueue()
+        # Jobs taken from the inbox that found no room yet (background ones at their limit).
+        self._waiting: list[_Seq] = []
         self._events: list[tuple[str, TokenEvent]] = []
         self._resolved: list[Resolved] = []
         self._cancel_lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._closed = threading.Event()
-        # The running batch: one row per sequence. The cache and `_mask` cover every token fed
-        # so far; `_next` holds each row's newest token, which the next step feeds.
+        # The running batch: one row per sequence. The KV cache and its attention mask (written
+        # in place, worker/engines/kvcache.py) cover every token fed so far; `_next` holds each
+        # row's newest token, which the next step feeds.
         self._seqs: list[_Seq] = []
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._kv = SlotKV(cfg.num_hidden_layers, heads, head_dim, self.lm.dtype, self.capacity)
         self._next: torch.Tensor | None = None
+        # The batch's logits processors (None while no row needs any) and the rows that want
+        # log-probabilities, both in step with `_seqs`.
+        self._procs: RowProcessors | None = None
+        self._lp_rows: list[int] = []
+        # Foreground rows come first: `_fg` of them (`_partition`); decode steps counted for
+        # the background's turn.
+        self._fg = 0
+        self._steps = 0
+        self._pieces: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, name="genq-scheduler", daemon=True)
         self._thread.start()
 
@@ -106,7 +146,11 @@ class HFEngine(Engine):
                 f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new} that exceeds "
                 f"the model's context of {self.max_model_len} tokens",
             )
-        seq = _Seq(spec, ids, max_new, time.monotonic() + self.job_timeout)
+        left, why = self.time_limit(spec)
+        seq = _Seq(spec, ids, max_new, time.monotonic() + left, why, stop_ids=frozenset(spec.params.stop_token_ids),
+                   background=spec.priority > 0)
+        if spec.params.logprobs is not None:
+            seq.lp, seq.lp_unsent = Logprobs(), Logprobs() if spec.stream else None
         if not spec.params.greedy:
             seq.generator = torch.Generator()
             if spec.params.seed is None:
@@ -142,7 +186,7 @@ class HFEngine(Engine):
                             seq.future.set_exception(GenerationError("engine_error", repr(exc)))
                     self._select([])
                     self._events, self._resolved = [], []
-        for seq in self._seqs:
+        for seq in self._seqs + self._waiting:
             seq.future.set_exception(GenerationError("engine_closed", "the worker stopped"))
         while True:
             try:
@@ -153,25 +197,36 @@ class HFEngine(Engine):
                 seq.future.set_exception(GenerationError("engine_closed", "the worker stopped"))
 
     def _take(self) -> list[_Seq]:
-        """Jobs that arrived since the last step; blocks only while nothing is running."""
-        new: list[_Seq] = []
-        room = self.capacity - len(self._seqs)
-        if not self._seqs:
+        """Jobs to admit now, foreground ones first: as many as there are free rows, and
+        background ones only while fewer than `background_capacity` rows are background; the
+        rest wait for the next step. Blocks (briefly) only while nothing runs or waits."""
+        pending, self._waiting = self._waiting, []
+        if not self._seqs and not pending:
             try:
                 item = self._inbox.get(timeout=0.5)
             except queue.Empty:
-                return new
+                return []
             if item is None:
-                return new
-            new.append(item)
-        while len(new) < room:
+                return []
+            pending.append(item)
+        while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if item is None:
                 break
-            new.append(item)
+            pending.append(item)
+        room = self.capacity - len(self._seqs)
+        background_room = self.background_capacity - (len(self._seqs) - self._fg)
+        new: list[_Seq] = []
+        for seq in sorted(pending, key=lambda s: s.background):
+            if room > 0 and (not seq.background or background_room > 0):
+                new.append(seq)
+                room -= 1
+                background_room -= seq.background
+            else:
+                self._waiting.append(seq)
         return new
 
     def _step(self, new: list[_Seq]) -> None:
@@ -189,7 +244,8 @@ class HFEngine(Engine):
             self._events, self._resolved = [], []
 
     def _reap(self, new: list[_Seq]) -> None:
-        """Fail cancelled and expired jobs, running or just arrived."""
+        """Fail cancelled jobs and jobs past their deadline, running or just arrived; the
+        latter keep what they generated as a partial result."""
         with self._cancel_lock:
             cancelled, self._cancelled = self._cancelled, set()
         now = time.monotonic()
@@ -199,13 +255,13 @@ class HFEngine(Engine):
                 seq.future.set_exception(JobCancelled(seq.spec.id))
                 return True
             if now > seq.deadline:
-                seq.future.set_exception(
-                    GenerationError("timeout", f"the job ran longer than {self.job_timeout} s")
-                )
+                partial = self._result(seq, "timeout", self.tok.decode(seq.out, skip_special_tokens=True))
+                seq.future.set_exception(GenerationError("timeout", seq.timeout_message, partial))
                 return True
             return False
 
         new[:] = [s for s in new if not gone(s)]
+        self._waiting = [s for s in self._waiting if not gone(s)]
         if self._seqs:
             keep = [i for i, s in enumerate(self._seqs) if not gone(s)]
             if len(keep) < len(self._seqs):
@@ -221,61 +277,127 @@ class HFEngine(Engine):
             ids[row, width - n :] = torch.tensor(seq.prompt_ids)
             mask[row, width - n :] = 1
         out = self.lm(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
-        first = self._sample(new, out.logits[:, -1, :])
+        raw = out.logits[:, -1, :]
+        procs = RowProcessors.build(
+            [s.spec.params for s in new], [s.prompt_ids for s in new],
+            [min(s.spec.params.min_tokens, s.max_new) for s in new], self.eos, raw.shape[-1],
+        )  # fmt: skip
+        first = self._choose(new, raw, procs)
+        lps = self._logprobs(new, raw, first, [i for i, s in enumerate(new) if s.lp is not None])
+        base = len(self._seqs)
+        self._procs = RowProcessors.join(self._procs, procs, base, len(new), raw.shape[-1])
         self._join(new, out.past_key_values, mask, first.view(-1, 1))
-        base = len(self._seqs) - len(new)
-        self._settle(first.tolist(), offset=base)
+        self._lp_rows = [i for i, s in enumerate(self._seqs) if s.lp is not None]
+        self._settle(first.tolist(), offset=base, lps=lps)
+        self._partition()
 
     def _join(self, new: list[_Seq], cache: DynamicCache, mask: torch.Tensor, nxt) -> None:
-        if not self._seqs:
-            self._seqs, self._cache, self._mask, self._next = list(new), cache, mask, nxt
-            return
-        old_len, new_len = self._mask.shape[1], mask.shape[1]
-        width = max(old_len, new_len)
-
-        def lpad(x: torch.Tensor, n: int) -> torch.Tensor:
-            return F.pad(x, (0, 0, n, 0)) if n else x
-
-        layers = [
-            (
-                torch.cat([lpad(a.keys, width - old_len), lpad(b.keys, width - new_len)]),
-                torch.cat([lpad(a.values, width - old_len), lpad(b.values, width - new_len)]),
-            )
-            for a, b in zip(self._cache.layers, cache.layers)
-        ]
-        self._cache = DynamicCache(layers)
-        self._mask = torch.cat([F.pad(self._mask, (width - old_len, 0)), F.pad(mask, (width - new_len, 0))])
-        self._next = torch.cat([self._next, nxt])
+        """Add the prefilled rows to the batch: only their own keys/values are copied."""
+        self._kv.append(cache, mask)
+        self._next = nxt if self._next is None else torch.cat([self._next, nxt])
         self._seqs.extend(new)
 
     def _decode(self) -> None:
-        batch = len(self._seqs)
-        for seq in self._seqs:
+        """One decode step. While foreground jobs run beside background ones, only the
+        foreground rows (the first `_fg`) step, except on one step in `background_every`: a
+        batch of 32 steps ~3x slower than a batch of 1 on a CPU, so an interactive request
+        beside a large batch would otherwise take ~3x as long as alone. Sitting a step out
+        costs a background row nothing but time (a masked cache column)."""
+        rows = len(self._seqs)
+        self._steps += 1
+        batch = rows
+        if 0 < self._fg < rows and self._steps % self.background_every:
+            batch = self._fg
+        for seq in self._seqs[:batch]:
             seq.batch_peak = max(seq.batch_peak, batch)
-        mask = F.pad(self._mask, (0, 1), value=1)
+        metrics.decode_step(batch)
         out = self.lm(
-            input_ids=self._next, attention_mask=mask, past_key_values=self._cache, use_cache=True
+            input_ids=self._next[:batch],
+            attention_mask=self._kv.step_mask(batch),
+            past_key_values=self._kv.cache,
+            use_cache=True,
         )
-        self._mask, self._cache = mask, out.past_key_values
-        tokens = self._sample(self._seqs, out.logits[:, -1, :])
-        self._next = tokens.view(-1, 1)
-        self._settle(tokens.tolist())
+        self._kv.advance()
+        raw = out.logits[:, -1, :]
+        seqs = self._seqs[:batch]
+        procs = self._procs if batch == rows or self._procs is None else self._procs.head(batch)
+        tokens = self._choose(seqs, raw, procs)
+        lps = self._logprobs(seqs, raw, tokens, [r for r in self._lp_rows if r < batch])
+        if batch == rows:
+            self._next = tokens.view(-1, 1)
+        else:
+            self._next[:batch, 0] = tokens
+        self._settle(tokens.tolist(), lps=lps)
 
-    def _settle(self, tokens: list[int], offset: int = 0) -> None:
-        """Record one new token per row from `offset` on; drop the rows that finished."""
+    def _choose(self, seqs: list[_Seq], raw: torch.Tensor, procs: RowProcessors | None) -> torch.Tensor:
+        """Each row's next token: from the raw logits, or the processed ones where a row of
+        the batch asked for penalties or min_tokens."""
+        if procs is None:
+            return self._sample(seqs, raw)
+        tokens = self._sample(seqs, procs.apply(raw))
+        procs.update(tokens)
+        return tokens
+
+    def _logprobs(self, seqs: list[_Seq], raw: torch.Tensor, tokens: torch.Tensor, rows: list[int]) -> dict:
+        """row -> (the chosen token's log-probability, the row's top ones) for `rows`."""
+        if not rows:
+            return {}
+        top = [seqs[i].spec.params.logprobs for i in rows]
+        return dict(zip(rows, logprobs(raw, tokens, rows, top)))
+
+    def _piece(self, token: int) -> str:
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.tok.decode([token])
+        return piece
+
+    def _settle(self, tokens: list[int], offset: int = 0, lps: dict | None = None) -> None:
+        """Record one new token for each row from `offset` on, as many as `tokens` (the rows
+        after them sat the step out); drop the rows that finished. `lps`: the
+        log-probabilities of rows that want them (by row)."""
         keep = list(range(offset))
         for i, token in enumerate(tokens, start=offset):
-            if self._advance(self._seqs[i], token):
+            lp = lps.get(i - offset) if lps else None
+            if self._advance(self._seqs[i], token, lp):
                 keep.append(i)
+        keep += range(offset + len(tokens), len(self._seqs))
         if len(keep) < len(self._seqs):
             self._select(keep)
 
-    def _advance(self, seq: _Seq, token: int) -> bool:
+    def _partition(self) -> None:
+        """Put the foreground rows first (swapping misplaced rows pairwise: only those rows'
+        cache is copied), so that a step can feed them alone."""
+        fg = [i for i, s in enumerate(self._seqs) if not s.background]
+        self._fg = len(fg)
+        late = [i for i in fg if i >= self._fg]
+        if not late:
+            return
+        early = [i for i in range(self._fg) if self._seqs[i].background]
+        self._kv.swap(late, early)
+        order = list(range(len(self._seqs)))
+        for a, b in zip(late, early):
+            order[a], order[b] = b, a
+        self._reorder(order)
+
+    def _reorder(self, order: list[int]) -> None:
+        """The per-row state follows the cache's rows: row i is now old row order[i]."""
+        idx = torch.tensor(order)
+        if self._procs is not None:
+            self._procs = self._procs.select(idx)
+        self._next = self._next.index_select(0, idx)
+        self._seqs = [self._seqs[i] for i in order]
+        self._lp_rows = [i for i, s in enumerate(self._seqs) if s.lp is not None]
+
+    def _advance(self, seq: _Seq, token: int, lp: tuple | None = None) -> bool:
         """Add a token to a job; resolve it and return False if the job has finished."""
         params = seq.spec.params
         if token == self.eos and not params.ignore_eos:
             return self._resolve(seq, "eos")
+        if token in seq.stop_ids:
+            return self._resolve(seq, "stop")
         seq.out.append(token)
+        if lp is not None:
+            self._add_logprob(seq, token, *lp)
         delta = self._detokenize(seq)
         seq.text += delta
         if params.stop and delta:
@@ -301,60 +423,57 @@ class HFEngine(Engine):
             return after[len(before) :]
         return ""
 
+    def _add_logprob(self, seq: _Seq, token: int, chosen: float, top: list[tuple[int, float]]) -> None:
+        piece = self._piece(token)
+        alternatives = {self._piece(t): v for t, v in top}
+        alternatives.setdefault(piece, chosen)
+        for lp in (seq.lp, seq.lp_unsent) if seq.lp_unsent is not None else (seq.lp,):
+            lp.tokens.append(piece)
+            lp.token_logprobs.append(chosen)
+            lp.top_logprobs.append(alternatives)
+            lp.text_offset.append(seq.lp_offset)
+        seq.lp_offset += len(piece)
+
     def _stream(self, seq: _Seq, text: str, **final) -> None:
         if seq.spec.stream:
-            self._events.append((seq.spec.id, TokenEvent(seq.events, text, **final)))
+            lp = None
+            if seq.lp_unsent is not None and seq.lp_unsent.tokens:
+                lp, seq.lp_unsent = seq.lp_unsent.model_dump(), Logprobs()
+            self._events.append((seq.spec.id, TokenEvent(seq.events, text, **final, logprobs=lp)))
         seq.events += 1
 
-    def _resolve(self, seq: _Seq, reason: str, text: str | None = None) -> bool:
-        if text is None:
-            text = self.tok.decode(seq.out, skip_special_tokens=True)
-        result = GenerationResult(
+    def _result(self, seq: _Seq, reason: str, text: str) -> GenerationResult:
+        return GenerationResult(
             text=text,
             finish_reason=reason,
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.out),
             batch_size=max(seq.batch_peak, 1),
             model=self.model,
+            logprobs=seq.lp,
         )
+
+    def _resolve(self, seq: _Seq, reason: str, text: str | None = None) -> bool:
+        if text is None:
+            text = self.tok.decode(seq.out, skip_special_tokens=True)
+        result = self._result(seq, reason, text)
         usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
         self._stream(seq, text[seq.sent :], finish=reason, usage=usage)
         self._resolved.append((seq.future, result))
         return False
 
     def _select(self, keep: list[int]) -> None:
-        """Keep only the rows in `keep`, trimming padding that no remaining row needs."""
+        """Keep only the rows in `keep` (ascending). The KV cache moves its last rows into the
+        holes and trims padding that no remaining row needs; the per-row state follows the rows'
+        new order."""
+        order = self._kv.select(keep)
         if not keep:
-            self._seqs, self._cache, self._mask, self._next = [], None, None, None
+            self._seqs, self._next = [], None
+            self._procs, self._lp_rows, self._fg = None, [], 0
             return
-        idx = torch.tensor(keep)
-        mask = self._mask.index_select(0, idx)
-        pad = int((mask.cumsum(1) == 0).sum(1).min())
-        self._cache = DynamicCache(
-            [
-                (layer.keys.index_select(0, idx)[:, :, pad:], layer.values.index_select(0, idx)[:, :, pad:])
-                for layer in self._cache.layers
-            ]
-        )
-        self._mask = mask[:, pad:]
-        self._next = self._next.index_select(0, idx)
-        self._seqs = [self._seqs[i] for i in keep]
+        self._reorder(order)
+        self._partition()
 
     @staticmethod
     def _sample(seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
-        tokens = logits.argmax(-1)
-        for row, seq in enumerate(seqs):
-            p = seq.spec.params
-            if p.greedy:
-                continue
-            scores = logits[row].float() / p.temperature
-            if p.top_k:
-                kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
-            if p.top_p < 1.0:
-                ordered, order = scores.sort(descending=True)
-                probs = ordered.softmax(-1)
-                drop = probs.cumsum(-1) - probs > p.top_p
-                scores = scores.scatter(0, order, ordered.masked_fill(drop, float("-inf")))
-            tokens[row] = torch.multinomial(scores.softmax(-1), 1, generator=seq.generator)[0]
-        return tokens
+        return sample(logits, [s.spec.params for s in seqs], [s.generator for s in seqs])

@@ -16,11 +16,22 @@ import threading
 from concurrent.futures import Future
 
 from tasks.config import Settings
-from tasks.schemas import GenerationResult, JobSpec
+from tasks.schemas import GenerationResult, JobSpec, Logprobs
 from tasks.streams import TokenEvent
 from worker.engines.base import DirectSink, Engine, GenerationError, JobCancelled, Sink
+from worker.engines.dtype import resolve as resolve_dtype
 
 log = logging.getLogger(__name__)
+
+
+def _has_gpu() -> bool:
+    """vLLM's CUDA build on a machine with a GPU (the CPU build has no usable CUDA)."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - no torch, or a CUDA build without a driver
+        return False
 
 
 class VLLMEngine(Engine):
@@ -48,11 +59,13 @@ class VLLMEngine(Engine):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="genq-vllm-loop", daemon=True)
         self._thread.start()
+        dtype, why = resolve_dtype(settings.dtype, gpu=_has_gpu())
+        log.info("weights in %s (%s)", dtype, why)
         args = AsyncEngineArgs(
             model=settings.model,
             tokenizer=settings.model,
             served_model_name=[settings.served_model],
-            dtype=settings.dtype,
+            dtype=dtype,
             enforce_eager=settings.vllm_enforce_eager,
             max_num_seqs=settings.max_batch_size,
             disable_log_stats=True,
@@ -99,13 +112,21 @@ class VLLMEngine(Engine):
             seed=p.seed,
             stop=p.stop or None,
             ignore_eos=p.ignore_eos,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            min_tokens=min(p.min_tokens, max_new),
+            stop_token_ids=p.stop_token_ids or None,
+            logprobs=p.logprobs,
             output_kind=self._DELTA,
         )
         self._active += 1
         peak, index, text, tokens, prompt_tokens = self._active, 0, [], 0, 0
-        finish, stop_reason, last = None, None, ""
+        finish, stop_reason, last, last_lp = None, None, "", None
+        logprobs, offset = (Logprobs(), 0) if p.logprobs is not None else (None, 0)
+        left, why = self.time_limit(spec)
         try:
-            async with asyncio.timeout(self.job_timeout):
+            async with asyncio.timeout(left):
                 async for out in self.llm.generate({"prompt": spec.prompt}, params, spec.id):
                     peak = max(peak, self._active)
                     prompt_tokens = len(out.prompt_token_ids or []) or prompt_tokens
@@ -113,16 +134,25 @@ class VLLMEngine(Engine):
                     tokens += len(completion.token_ids)
                     if completion.text:
                         text.append(completion.text)
+                    lp = None
+                    if logprobs is not None and completion.logprobs:
+                        lp, offset = self._logprobs(completion.token_ids, completion.logprobs, offset)
+                        logprobs.extend(lp)
+                        lp = lp.model_dump()
                     if out.finished:
                         finish, stop_reason = completion.finish_reason, completion.stop_reason
-                        last = completion.text
+                        last, last_lp = completion.text, lp
                         break
                     if spec.stream:
-                        self.sink.emit([(spec.id, TokenEvent(index, completion.text))], [])
+                        self.sink.emit([(spec.id, TokenEvent(index, completion.text, logprobs=lp))], [])
                     index += 1
         except TimeoutError:
             await self.llm.abort(spec.id)
-            future.set_exception(GenerationError("timeout", f"the job ran longer than {self.job_timeout} s"))
+            partial = GenerationResult(
+                text="".join(text), finish_reason="timeout", prompt_tokens=prompt_tokens,
+                completion_tokens=tokens, batch_size=peak, model=self.model, logprobs=logprobs,
+            )  # fmt: skip
+            future.set_exception(GenerationError("timeout", why, partial))
             return
         except self._ClientError as exc:
             future.set_exception(GenerationError("invalid_request", str(exc)))
@@ -144,7 +174,30 @@ class VLLMEngine(Engine):
             completion_tokens=tokens,
             batch_size=peak,
             model=self.model,
+            logprobs=logprobs,
         )
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens}
-        final = [(spec.id, TokenEvent(index, last, finish=reason, usage=usage))] if spec.stream else []
+        final = [(spec.id, TokenEvent(index, last, finish=reason, usage=usage, logprobs=last_lp))] if spec.stream else []
         self.sink.emit(final, [(future, result)])
+
+    def _logprobs(self, token_ids, positions, offset: int) -> tuple[Logprobs, int]:
+        """vLLM's log-probabilities of these new tokens in OpenAI's format (as vLLM's own server
+        writes them: each position's chosen token and its top ones), and the text offset after
+        them."""
+
+        def piece(t: int, logprob) -> str:
+            return logprob.decoded_token if logprob.decoded_token is not None else self.tok.decode([t])
+
+        lp = Logprobs()
+        for token_id, position in zip(token_ids, positions):
+            if not position:
+                continue
+            chosen = position.get(token_id)
+            token = piece(token_id, chosen) if chosen is not None else self.tok.decode([token_id])
+            lp.tokens.append(token)
+            lp.token_logprobs.append(max(chosen.logprob, -9999.0) if chosen is not None else -9999.0)
+            lp.top_logprobs.append({piece(t, v): max(v.logprob, -9999.0) for t, v in position.items()})
+            lp.text_offset.append(offset)
+            offset += len(token)
+        return lp, offset
+

@@ -1,0 +1,99 @@
+"""One decode step of the hf engine's model, before and after the in-place KV cache, and at
+different torch thread counts, interleaved step by step (so that load from the rest of a shared
+machine falls on every variant alike)::
+
+    python -m bench.decode_step --model .models/opt-125m --batches 1,8,32 --steps 24 [--threads 1,2]
+
+- cache: transformers' DynamicCache (concatenated per layer at every step, as the engine did
+  before) against worker/engines/kvcache.SlotKV (written in place), same prompt (8 random
+  tokens per row), greedy; the chosen tokens must be identical. Median step time of each and
+  the median of the per-step ratios.
+- threads (with --threads): the same forward (batch B, one token, no cache) at each thread
+  count in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+
+from bench.common import median
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.decode_step")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--threads", default="", help="comma-separated thread counts to compare")
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from worker.engines.kvcache import SlotKV
+
+    hf_logging.disable_progress_bar()
+    lm = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    cfg = lm.config
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    batches = [int(x) for x in args.batches.split(",")]
+    with torch.inference_mode():
+        for b in batches:
+            torch.manual_seed(b)
+            ids = torch.randint(3, cfg.vocab_size - 100, (b, 8))
+            mask0 = torch.ones(b, 8, dtype=torch.long)
+            out = lm(input_ids=ids, attention_mask=mask0, use_cache=True, logits_to_keep=1)
+            first = out.logits[:, -1].argmax(-1, keepdim=True)
+            kv = SlotKV(cfg.num_hidden_layers, cfg.num_attention_heads,
+                        cfg.hidden_size // cfg.num_attention_heads, torch.float32, b)
+            kv.append(out.past_key_values, mask0)
+            state = {"dynamic": [mask0, copy.deepcopy(out.past_key_values), first], "slot": [first]}
+
+            def dynamic():
+                mask, cache, nxt = state["dynamic"]
+                mask = torch.nn.functional.pad(mask, (0, 1), value=1)
+                o = lm(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+                state["dynamic"] = [mask, o.past_key_values, o.logits[:, -1].argmax(-1).view(-1, 1)]
+
+            def slot():
+                o = lm(input_ids=state["slot"][0], attention_mask=kv.step_mask(), past_key_values=kv.cache,
+                       use_cache=True)
+                kv.advance()
+                state["slot"] = [o.logits[:, -1].argmax(-1).view(-1, 1)]
+
+            times = {"dynamic": [], "slot": []}
+            for i in range(args.steps):
+                pair = (("dynamic", dynamic), ("slot", slot))
+                for name, fn in pair if i % 2 == 0 else pair[::-1]:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+                if not torch.equal(state["dynamic"][2], state["slot"][0]):
+                    raise SystemExit(f"batch {b}: the two caches chose different tokens at step {i}")
+            ratio = median([a / s for a, s in zip(times["dynamic"], times["slot"])])
+            print(f"cache   batch {b:3d}: DynamicCache {median(times['dynamic']) * 1e3:7.1f} ms/step, "
+                  f"SlotKV {median(times['slot']) * 1e3:7.1f} ms/step, speedup {ratio:.2f}x "
+                  f"(median of {args.steps} interleaved steps)", flush=True)
+        counts = [int(x) for x in args.threads.split(",") if x.strip()]
+        default = torch.get_num_threads()
+        for b in batches if counts else []:
+            x = torch.randint(3, cfg.vocab_size - 100, (b, 1))
+            times = {n: [] for n in counts}
+            for i in range(args.steps):
+                for n in counts if i % 2 == 0 else counts[::-1]:
+                    torch.set_num_threads(n)
+                    t0 = time.perf_counter()
+                    lm(input_ids=x, use_cache=False)
+                    times[n].append(time.perf_counter() - t0)
+            torch.set_num_threads(default)
+            print(f"threads batch {b:3d}: " + ", ".join(f"{n} thread(s) {median(t) * 1e3:7.1f} ms"
+                                                      for n, t in times.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from genqueue.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,302 @@
+"""`genq`: the genqueue API from the command line (`genq --help`, `genq <command> --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+import time
+from typing import Any
+
+from genqueue import errors
+from genqueue.client import DEFAULT_URL, Client, Restart, result_text
+
+OK, JOB_FAILED, USAGE, SERVER, AUTH = 0, 1, 2, 3, 4
+
+EPILOG = f"""\
+environment:
+  GENQ_URL          the API (default {DEFAULT_URL}); --url overrides it
+  GENQ_API_KEY      sent as "Authorization: Bearer <key>"; --api-key overrides it
+
+exit codes:
+  0  ok
+  1  the job failed, was cancelled or expired (submit --wait/--stream, get); a batch failed,
+     was cancelled or has failed lines
+  2  usage: bad arguments, or the server refused the request (400 invalid, 404 unknown id,
+     409 already ended, 413 too large)
+  3  server or connection error: unreachable, 5xx (no worker, Redis down), 429 queue full or
+     quota used up, or --max-wait ran out (the job goes on)
+  4  authentication: missing or wrong API key (401/403)
+"""
+
+
+def exit_code(exc: errors.GenqError) -> int:
+    if isinstance(exc, (errors.JobError, errors.BatchError)):
+        return JOB_FAILED
+    if isinstance(exc, errors.AuthError):
+        return AUTH
+    if isinstance(exc, (errors.BadRequest, errors.NotFound, errors.Conflict)):
+        return USAGE
+    return SERVER
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help(sys.stderr)
+        return USAGE
+    client = Client(getattr(args, "url", None), getattr(args, "api_key", None), timeout=getattr(args, "timeout", 30.0))
+    try:
+        return args.run(client, args)
+    except errors.GenqError as exc:
+        print(f"genq: {exc}", file=sys.stderr)
+        return exit_code(exc)
+    except KeyboardInterrupt:
+        print("genq: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `genq ... | head`
+        sys.stderr.close()
+        return OK
+    finally:
+        client.close()
+
+
+# -- commands ----------------------------------------------------------------------------
+
+
+def cmd_submit(client: Client, args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params: dict[str, Any] = {
+        "model": args.model,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    params.update(args.param or {})
+    job_id = client.submit(prompt, **params)
+    if not (args.wait or args.stream):
+        print(json.dumps({"id": job_id, "status": "queued"}) if args.json else job_id)
+        return OK
+    try:
+        if args.stream:
+            return _stream(client, job_id, args.max_wait)
+        job = client.wait(job_id, args.max_wait)
+    except KeyboardInterrupt:
+        client._cancel_quietly(job_id)
+        print(f"genq: cancelled job {job_id}", file=sys.stderr)
+        raise
+    except errors.WaitTimeout:
+        print(f"genq: job {job_id} goes on; `genq get {job_id}` later", file=sys.stderr)
+        raise
+    if args.json:
+        _print_json(job)
+        return OK if job.get("status") == "succeeded" else JOB_FAILED
+    print(result_text(job))
+    return OK
+
+
+def _stream(client: Client, job_id: str, max_wait: float | None) -> int:
+    deadline = None if max_wait is None else time.monotonic() + max_wait
+    out = sys.stdout
+    tokens = client.stream(job_id)
+    with tokens:
+        for token in tokens:
+            if isinstance(token, Restart):
+                out.write("\n")
+                print(f"genq: job {job_id} started over on another worker; its text starts again", file=sys.stderr)
+            else:
+                out.write(token)
+            out.flush()
+            if deadline is not None and time.monotonic() > deadline:
+                out.write("\n")
+                raise errors.WaitTimeout(None, "wait_timeout", f"job {job_id} still streaming after {max_wait:g} s")
+    out.write("\n")
+    return OK
+
+
+def cmd_get(client: Client, args: argparse.Namespace) -> int:
+    if args.wait:
+        try:
+            job = client.wait(args.id, args.wait)
+        except errors.WaitTimeout as exc:
+            job = exc.job  # as GET ?wait=: the job as it is by then
+    else:
+        job = client.get(args.id)
+    _print_json(job)
+    return OK if job.get("status") in ("queued", "running", "succeeded") else JOB_FAILED
+
+
+def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
+    _print_json(client.cancel(args.id))
+    return OK
+
+
+def cmd_workers(client: Client, args: argparse.Namespace) -> int:
+    ready = client.ready()
+    if args.json:
+        _print_json(ready)
+        return OK
+    workers = ready.get("workers") or []
+    print(f"model {ready.get('model')}: {len(workers)} worker(s)")
+    rows = [("NAME", "ENGINE", "CAPACITY", "HOST")] + [
+        (str(w.get("name")), str(w.get("engine")), str(w.get("capacity")), str(w.get("host"))) for w in workers
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return OK
+
+
+def cmd_batch(client: Client, args: argparse.Namespace) -> int:
+    start = time.monotonic()
+    code, problem = OK, None
+    try:
+        results = client.run_batch(
+            args.input, progress=not args.no_progress, poll_interval=args.poll, timeout=args.max_wait
+        )
+    except errors.BatchError as exc:
+        results, code, problem = exc.results or [], JOB_FAILED, exc
+    ok = sum(1 for r in results if _line_ok(r))
+    failed = len(results) - ok
+    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    try:
+        for line in results:
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    where = "stdout" if args.output == "-" else args.output
+    print(
+        f"genq: {ok} succeeded, {failed} failed in {time.monotonic() - start:.1f} s; output: {where}",
+        file=sys.stderr,
+    )
+    if problem is not None:
+        print(f"genq: {problem}", file=sys.stderr)
+    return code if code != OK else (JOB_FAILED if failed else OK)
+
+
+def _line_ok(line: dict) -> bool:
+    response = line.get("response") or {}
+    return line.get("error") is None and response.get("status_code") == 200
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+# -- arguments ---------------------------------------------------------------------------
+
+
+def _key_value(raw: str) -> tuple[str, Any]:
+    name, sep, value = raw.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{raw!r}: NAME=VALUE")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
+
+
+class _Params(argparse.Action):
+    def __call__(self, parser, namespace, value, option_string=None):
+        params = dict(getattr(namespace, self.dest, None) or {})
+        params[value[0]] = value[1]
+        setattr(namespace, self.dest, params)
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, 88)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # The connection options work before and after the command (`genq --url U get ID` and
+    # `genq get ID --url U`): SUPPRESS keeps a subcommand's default from hiding the other.
+    common = argparse.ArgumentParser(add_help=False)
+    conn = common.add_argument_group("connection")
+    conn.add_argument("--url", default=argparse.SUPPRESS, help=f"the API (default: $GENQ_URL, else {DEFAULT_URL})")
+    conn.add_argument("--api-key", default=argparse.SUPPRESS, help="API key (default: $GENQ_API_KEY)")
+    conn.add_argument(
+        "--timeout", type=float, default=argparse.SUPPRESS, metavar="S", help="seconds per HTTP request (default 30)"
+    )
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="genq", description="Submit, follow and cancel genqueue jobs; run batches.",
+        epilog=EPILOG, formatter_class=fmt, parents=[common],
+    )  # fmt: skip
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "submit", parents=[common], epilog=EPILOG, formatter_class=fmt,
+        help="queue a job; print its id, or with --wait its text, or with --stream its tokens",
+        description=_wrap("Queue a job (POST /v1/jobs). Prints its id; with --wait the completion once it "
+        "has ended; with --stream its tokens as they are generated (resuming after a dropped "
+        "connection). Ctrl-C during --wait/--stream cancels the job."),
+    )  # fmt: skip
+    p.add_argument("prompt", help='the prompt ("-": read it from stdin)')
+    p.add_argument("--model", help="a served model (default: the API's)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N")
+    p.add_argument("--temperature", type=float, metavar="T", help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, metavar="P")
+    p.add_argument("--top-k", type=int, metavar="K")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeatable)")
+    p.add_argument(
+        "--param", type=_key_value, action=_Params, metavar="NAME=VALUE",
+        help="any other job field (VALUE as JSON, else a string), e.g. --param ignore_eos=true",
+    )  # fmt: skip
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--wait", action="store_true", help="wait for the job and print its text")
+    how.add_argument("--stream", action="store_true", help="print its tokens as they come")
+    p.add_argument("--max-wait", type=float, metavar="S", help="with --wait/--stream: give up after S seconds (exit 3)")
+    p.add_argument("--json", action="store_true", help="print the job as JSON instead of the id or the text")
+    p.set_defaults(run=cmd_submit)
+
+    p = sub.add_parser(
+        "get", parents=[common], epilog=EPILOG, formatter_class=fmt, help="print a job (JSON)",
+        description=_wrap("Print a job as JSON (GET /v1/jobs/ID). Exit 1 if it failed, was cancelled or expired."),
+    )  # fmt: skip
+    p.add_argument("id")
+    p.add_argument("--wait", type=float, metavar="S", help="first wait up to S seconds for it to end (as GET ?wait=S)")
+    p.set_defaults(run=cmd_get)
+
+    p = sub.add_parser(
+        "cancel", parents=[common], epilog=EPILOG, formatter_class=fmt, help="cancel a queued or running job",
+        description=_wrap("Cancel a queued or running job (POST /v1/jobs/ID/cancel) and print it. "
+        "Exit 2 if it had already ended (409)."),
+    )  # fmt: skip
+    p.add_argument("id")
+    p.set_defaults(run=cmd_cancel)
+
+    p = sub.add_parser(
+        "batch", parents=[common], epilog=EPILOG, formatter_class=fmt,
+        help="run a JSONL file of OpenAI batch requests, with a progress bar",
+        description=_wrap("Upload IN (OpenAI batch lines: {custom_id, method, url, body}) with POST /v1/files, "
+        "create a batch for /v1/completions, show its progress (done/total, failed, rate, ETA) on "
+        "stderr until it ends, then write its output lines ({id, custom_id, response, error}) in "
+        "input order. Exit 0 if every line succeeded, 1 if some failed or the batch did. "
+        "Ctrl-C cancels the batch."),
+    )  # fmt: skip
+    p.add_argument("input", metavar="IN", help="the input JSONL file")
+    p.add_argument("-o", "--output", default="-", metavar="OUT", help="where to write the output (default: stdout)")
+    p.add_argument("--poll", type=float, default=1.0, metavar="S", help="seconds between progress polls (default 1)")
+    p.add_argument("--max-wait", type=float, metavar="S", help="give up after S seconds (exit 3; the batch goes on)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_batch)
+
+    p = sub.add_parser(
+        "workers", parents=[common], epilog=EPILOG, formatter_class=fmt,
+        help="the live workers serving the default model (from /readyz)",
+        description=_wrap("List the live workers that serve the API's default model (GET /readyz). Exit 3 if none."),
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print /readyz's JSON")
+    p.set_defaults(run=cmd_workers)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The exceptions the client raises. Every one is a `GenqError` with `status` (the HTTP status,
+or None when no response came), `code` (the API's error code, e.g. `not_found`) and `message`.
+
+    GenqError
+    ├── BadRequest            400, 413, 422 and other 4xx: the request itself was refused
+    ├── AuthError             401, 403: missing or wrong API key
+    ├── NotFound              404: unknown job, model, file or batch (or another key's)
+    ├── Conflict              409: e.g. cancelling a job that has already ended
+    ├── RateLimited           429: queue full or the key's quota used up (`retry_after`)
+    ├── ServerError           5xx: the server could not do it (no worker, Redis down, ...)
+    ├── ConnectError          no answer: connection refused, reset or timed out
+    ├── WaitTimeout           the job had not ended when `wait(timeout=...)` gave up
+    ├── JobError              the job ended without a result: failed (`job` holds it)
+    │   └── JobCancelled      ... because it was cancelled
+    └── BatchError            a batch failed, expired or was cancelled (`batch`, `results`)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GenqError(Exception):
+    def __init__(self, status: int | None, code: str, message: str, **extra: Any):
+        super().__init__(status, code, message)
+        self.status, self.code, self.message = status, code, message
+        for name, value in extra.items():
+            setattr(self, name, value)
+
+    def __str__(self) -> str:
+        where = f"{self.status} {self.code}" if self.status else self.code
+        return f"{self.message} ({where})"
+
+
+class BadRequest(GenqError):
+    pass
+
+
+class AuthError(GenqError):
+    pass
+
+
+class NotFound(GenqError):
+    pass
+
+
+class Conflict(GenqError):
+    pass
+
+
+class RateLimited(GenqError):
+    retry_after: float | None = None
+
+
+class ServerError(GenqError):
+    pass
+
+
+class ConnectError(GenqError):
+    pass
+
+
+class WaitTimeout(GenqError):
+    pass
+
+
+class JobError(GenqError):
+    job_id: str | None = None
+    job: dict | None = None
+
+
+class JobCancelled(JobError):
+    pass
+
+
+class BatchError(GenqError):
+    batch: dict | None = None
+    results: list | None = None
+
+
+# The HTTP status the API gives a job's error code (webapp/errors.py: JOB_ERROR_STATUS), so a
+# JobError from a stream or a poll carries the same status as one from a blocking call.
+_JOB_ERROR_STATUS = {"prompt_too_long": 400, "invalid_request": 400, "cancelled": 409, "timeout": 504, "expired": 504}
+
+
+def job_error(job_id: str, error: dict | None, job: dict | None = None, status: str | None = None) -> JobError:
+    """The exception for a job that ended without a result."""
+    error = error or {}
+    code = error.get("code") or status or "failed"
+    message = error.get("message") or f"job {job_id} {status or 'failed'}"
+    cls = JobCancelled if code == "cancelled" or status == "cancelled" else JobError
+    return cls(_JOB_ERROR_STATUS.get(code, 502), code, message, job_id=job_id, job=job)
+
+
+def from_response(status: int, body: Any, headers: Any = None) -> GenqError:
+    """The exception for an error response (`{"error": {"code", "message"}}`, or anything)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        code = str(err.get("code") or err.get("type") or "error")
+        message = str(err.get("message") or code)
+    else:
+        code, message = f"http_{status}", (str(body)[:500] if body else f"HTTP {status}")
+    if status in (401, 403):
+        cls = AuthError
+    elif status == 404:
+        cls = NotFound
+    elif status == 409:
+        cls = Conflict
+    elif status == 429:
+        retry = (headers or {}).get("Retry-After")
+        try:
+            retry_after = float(retry) if retry is not None else None
+        except ValueError:
+            retry_after = None
+        return RateLimited(status, code, message, retry_after=retry_after, body=body)
+    elif status >= 500:
+        cls = ServerError
+    else:
+        cls = BadRequest
+    return cls(status, code, message, body=body)

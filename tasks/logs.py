@@ -1,0 +1,63 @@
+"""Logging for the API and the workers alike: plain text by default, one JSON object per line
+with `GENQ_LOG_FORMAT=json` (what a log shipper parses without regexes).
+
+One configuration (`config`) serves both: webapp/gunicorn_conf.py applies it in gunicorn's
+arbiter (and sends gunicorn's own lines through it), a worker in worker/__main__.py.
+
+`job_event` writes the log's record of a job: one line per step of its life (queued in the API,
+running and finished in a worker) with its id, model, owner, queue time, tokens and finish
+reason, and never its prompt or text (user data). In JSON the fields are keys of their own; in
+text they follow the event as key=value pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+JOBS = logging.getLogger("genq.jobs")
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update(getattr(record, "genq", None) or {})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def config(fmt: str = "text", level: str = "INFO") -> dict:
+    """A `logging.config.dictConfig` dict: every line to stderr through one handler."""
+    formatter = {"()": "tasks.logs.JsonFormatter"} if fmt == "json" else {"format": TEXT_FORMAT}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"genq": formatter},
+        "handlers": {"genq": {"class": "logging.StreamHandler", "formatter": "genq", "stream": "ext://sys.stderr"}},
+        "root": {"level": level.upper(), "handlers": ["genq"]},
+    }
+
+
+def _text(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def job_event(event: str, job_id: str, **fields) -> None:
+    """One line for one step of a job's life; fields that are None are left out."""
+    if not JOBS.isEnabledFor(logging.INFO):
+        return
+    fields = {k: v for k, v in fields.items() if v is not None}
+    pairs = " ".join(f"{k}={_text(v)}" for k, v in fields.items())
+    JOBS.info("job %s %s %s", event, job_id, pairs,
+              extra={"genq": {"event": f"job.{event}", "job_id": job_id, **fields}})

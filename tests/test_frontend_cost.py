@@ -1,0 +1,75 @@
+"""The front end's fewer round trips keep their guarantees (against a real Redis, no model):
+- JobStore.succeed stores a result and the succeeded status in one call, both fenced by the
+  attempt (a superseded attempt writes neither);
+- JobStore.get(..., result_key=...) brings the result with the record;
+- kombu's Redis channel reuses one client per pool (tasks/celery_app.py)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from tasks import keys
+from tasks.jobs import RESULT_RAW, JobStore
+from tasks.schemas import JobSpec, JobStatus, SamplingParams
+
+
+@pytest.fixture
+def store(redis_url):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield JobStore(client, ttl=600, max_attempts=3)
+    client.close()
+
+
+def _job(store: JobStore) -> str:
+    spec = JobSpec(id=str(uuid.uuid4()), model="m", prompt="p", params=SamplingParams())
+    assert store.create([spec], f"genq.test-{uuid.uuid4().hex[:6]}", 10)[0]
+    return spec.id
+
+
+def test_succeed_writes_result_and_status_only_for_the_current_attempt(store):
+    job = _job(store)
+    result_key = f"celery-task-meta-{job}"
+    assert store.start(job, "w1", "t1").number == 1
+    assert store.start(job, "w2", "t2").number == 2
+    assert store.succeed(job, 1, result_key, '{"stale": true}', 600) is False
+    assert store.r.get(result_key) is None
+    rec = store.get(job)
+    assert rec["status"] == JobStatus.running.value and "finished" not in rec
+    assert store.succeed(job, 2, result_key, '{"result": 1}', 600) is True
+    rec = store.get(job)
+    assert rec["status"] == JobStatus.succeeded.value and rec["finished"]
+    assert store.r.get(result_key) == '{"result": 1}' and 0 < store.r.ttl(result_key) <= 600
+    assert store.r.hgetall(keys.inflight("w2")) == {}
+    assert store.r.xlen(keys.done(job)) == 1
+    # A final job's status stays; a late writer of the same attempt does not move it back.
+    assert store.succeed(job, 2, result_key, '{"result": 2}', 0) is False
+
+
+def test_get_with_result_key_reads_the_record_and_the_result_together(store):
+    job = _job(store)
+    result_key = f"celery-task-meta-{job}"
+    rec = store.get(job, result_key)
+    assert rec["status"] == JobStatus.queued.value and rec[RESULT_RAW] is None
+    store.start(job, "w1", "t1")
+    store.succeed(job, 1, result_key, '{"result": {"text": "x"}}', 600)
+    rec = store.wait(job, 1.0, exists=True, result_key=result_key)
+    assert rec["status"] == JobStatus.succeeded.value and rec[RESULT_RAW] == '{"result": {"text": "x"}}'
+    assert store.get(str(uuid.uuid4()), result_key) is None
+
+
+def test_kombu_channels_reuse_their_redis_client(redis_url, monkeypatch):
+    from tasks.celery_app import make_sender
+    from tasks.config import Settings
+
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    app = make_sender(Settings())
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        first = channel._create_client()
+        assert channel._create_client() is first
+        assert channel._create_client(asynchronous=True) is not first
+        channel._pool = None  # kombu drops its pool after a connection error
+        assert channel._create_client() is not first

@@ -1,0 +1,424 @@
+"""Jobs that survive: a dead or hung worker's jobs finish on another worker within a minute,
+exactly once; a Redis restart loses nothing; a job that kills every worker it meets fails
+after GENQ_MAX_ATTEMPTS instead of taking the fleet down; the queue cap is exact.
+
+All of it with real processes: Redis, gunicorn, Celery workers on the tiny model, and signals.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+import redis
+
+from scripts import stack as stackmod
+from tasks import keys
+from tasks.jobs import JobStore
+from tasks.schemas import JobSpec, JobStatus, SamplingParams
+from tasks.streams import Restart, StreamEnd, TokenEvent, follow
+from tests.helpers import KillableRedis, joined, stream, submit
+from worker.publisher import StreamPublisher
+
+# The default heartbeat (the other test stacks beat faster, to be quick).
+DEFAULT_BEAT = {"GENQ_HEARTBEAT_INTERVAL": "2", "GENQ_HEARTBEAT_TTL": "10"}
+RECOVERY_LIMIT_S = 60
+TOKENS = 64
+
+
+def _prompts(n: int) -> list[str]:
+    return [f"Recovery {i}: the quick brown fox" for i in range(n)]
+
+
+def _records(s, ids: list[str]) -> dict[str, dict]:
+    return {job_id: s.get(f"/v1/jobs/{job_id}").json() for job_id in ids}
+
+
+def _wait_final(s, ids: list[str], timeout: float) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        recs = _records(s, ids)
+        if all(r["status"] not in ("queued", "running") for r in recs.values()):
+            return recs
+        if time.monotonic() > deadline:
+            return recs
+        time.sleep(0.5)
+
+
+def _broker_state(url: str, recs: dict[str, dict]) -> str:
+    """What Redis holds for the jobs that did not end well: for a failure message."""
+    r = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        bad = {j: rec for j, rec in recs.items() if rec["status"] != "succeeded"}
+        lines = [f"{j}: {r.hgetall(keys.job(j))}" for j in bad]
+        unacked = r.hgetall("unacked")
+        lines.append(f"unacked: {len(unacked)} {[t for t, m in unacked.items() if any(j in m for j in bad)]}")
+        for key in r.scan_iter(match="genq.*"):
+            if r.type(key) == "list":
+                lines.append(f"{key}: {[j for j in bad if any(j in m for m in r.lrange(key, 0, -1))]}")
+        for key in r.scan_iter(match=keys.inflight("*")):
+            lines.append(f"{key}: {r.hgetall(key)}")
+        return "\n".join(lines)
+    finally:
+        r.close()
+
+
+def _start_workers(s, n: int) -> list[stackmod.Proc]:
+    workers = [s.start_worker() for _ in range(n)]
+    stackmod.wait_until(
+        lambda: len(s.get("/readyz").json().get("workers", [])) == n, 90, f"{n} workers", s.procs
+    )
+    return workers
+
+
+def _busiest(s, ids: list[str], workers: list[stackmod.Proc]) -> tuple[stackmod.Proc, set[str]]:
+    """Once jobs run: the worker running most of them, and those jobs."""
+    found: dict[str, set[str]] = {}
+
+    def running() -> bool:
+        found.clear()
+        for job_id, rec in _records(s, ids).items():
+            if rec["status"] == "running":
+                found.setdefault(rec["worker"], set()).add(job_id)
+        return bool(found)
+
+    stackmod.wait_until(running, 60, "jobs to run", s.procs)
+    name = max(found, key=lambda n: len(found[n]))
+    (proc,) = [w for w in workers if f"-{w.pid}@" in name]
+    return proc, found[name]
+
+
+def _submit_batch(s, prompts: list[str], sampled: int = 0) -> list[str]:
+    ids = []
+    for i, prompt in enumerate(prompts):
+        extra = {"temperature": 1.0} if i < sampled else {}
+        ids.append(submit(s, prompt=prompt, max_new_tokens=TOKENS, ignore_eos=True, **extra))
+    return ids
+
+
+def _assert_done_once(recs: dict[str, dict], moved: set[str], survivor: str) -> None:
+    assert all(r["status"] == "succeeded" for r in recs.values()), [
+        (r["status"], r.get("error")) for r in recs.values() if r["status"] != "succeeded"
+    ]
+    for job_id, rec in recs.items():
+        assert rec["result"]["completion_tokens"] == TOKENS
+        assert rec["result"]["worker"] == rec["worker"]
+        assert rec["attempts"] in (1, 2), rec
+        if rec["attempts"] == 2:
+            assert rec["worker"] == survivor, rec
+    # Jobs the lost worker was running were run again on the survivor (those that it had not
+    # finished before the signal: at least one, as the signal comes mid-batch).
+    assert sum(recs[j]["attempts"] == 2 for j in moved) >= 1
+
+
+def test_a_killed_workers_jobs_finish_elsewhere_within_a_minute(make_stack, reference):
+    s = make_stack(GENQ_MAX_BATCH_SIZE="16", **DEFAULT_BEAT)
+    s.start_api()
+    workers = _start_workers(s, 2)
+    prompts = _prompts(40)
+    ids = _submit_batch(s, prompts)
+    victim, moved = _busiest(s, ids, workers)
+    victim.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    victim.popen.wait(10)
+    (survivor,) = [w for w in workers if w is not victim]
+
+    recs = _wait_final(s, ids, RECOVERY_LIMIT_S)
+    assert time.monotonic() - killed <= RECOVERY_LIMIT_S, "not all jobs finished within a minute"
+    names = {w["name"] for w in s.get("/readyz").json()["workers"]}
+    (survivor_name,) = [n for n in names if f"-{survivor.pid}@" in n]
+    _assert_done_once(recs, moved, survivor_name)
+    # Greedy: the same text as a run that lost no worker.
+    for prompt, job_id in zip(prompts, ids):
+        assert recs[job_id]["result"]["text"] == reference(prompt, TOKENS), prompt
+    # A restarted job's stream replays without a seam: one attempt's tokens, numbered once.
+    again = next(j for j in ids if recs[j]["attempts"] == 2)
+    events = stream(s, again)
+    assert [e["event"] for e in events] == ["token"] * TOKENS + ["done"]
+    assert joined(events) == recs[again]["result"]["text"]
+
+
+def test_a_hung_worker_is_given_up_and_writes_nothing_when_it_wakes(make_stack, redis_url):
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    s = make_stack(GENQ_MAX_BATCH_SIZE="16", **DEFAULT_BEAT)
+    s.start_api()
+    workers = _start_workers(s, 2)
+    # Sampled jobs too: their new attempt's tokens differ, so a late write would show.
+    ids = _submit_batch(s, _prompts(40), sampled=8)
+    victim, moved = _busiest(s, ids, workers)
+    victim.signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        recs = _wait_final(s, ids, RECOVERY_LIMIT_S)
+        assert time.monotonic() - stopped <= RECOVERY_LIMIT_S, "not all jobs finished within a minute"
+        (survivor,) = [w for w in workers if w is not victim]
+        survivor_name = next(r["worker"] for r in recs.values() if f"-{survivor.pid}@" in r["worker"])
+        _assert_done_once(recs, moved, survivor_name)
+        streams = {j: joined(stream(s, j)) for j in moved}
+        for j in moved:
+            assert streams[j] == recs[j]["result"]["text"]
+        entries = {j: r.xrange(keys.stream(j)) for j in moved}
+    finally:
+        victim.signal(signal.SIGCONT)
+
+    # Awake again: it drops the jobs it had (they are another attempt's now) and writes nothing.
+    log = s.logs / f"{s.name}-worker{workers.index(victim)}.log"
+    stackmod.wait_until(lambda: "superseded" in log.read_text(), 30, "the woken worker to drop its jobs", s.procs)
+    time.sleep(3)  # what it had generated meanwhile would have been written by now
+    assert _records(s, ids) == recs
+    assert {j: joined(stream(s, j)) for j in moved} == streams
+    assert {j: r.xrange(keys.stream(j)) for j in moved} == entries  # not one entry more
+    r.close()
+    # And it serves again.
+    stackmod.wait_until(lambda: len(s.get("/readyz").json().get("workers", [])) == 2, 30, "the woken worker", s.procs)
+
+
+@pytest.mark.timeout(480)
+def test_a_redis_restart_loses_no_job(make_stack, tmp_path):
+    db = KillableRedis(tmp_path, fsync="everysec")  # as `make run`'s private Redis
+    s = make_stack(REDIS_URL=db.url, GENQ_MAX_BATCH_SIZE="16")
+    try:
+        s.start_api()
+        s.start_worker()
+        s.wait_ready()
+        ids = [submit(s, prompt=p, max_new_tokens=100, ignore_eos=True) for p in _prompts(50)]
+        stackmod.wait_until(lambda: any(r["status"] == "running" for r in _records(s, ids).values()), 30, "jobs to run")
+        db.kill()
+        answers = [s.get(f"/v1/jobs/{ids[0]}", timeout=10), s.post("/v1/jobs", json={"prompt": "x"}, timeout=10)]
+        time.sleep(3)
+        db.start()
+        recs = _wait_final(s, ids, 300)  # on a busy 2-core machine, 4 batches of 16 take minutes
+        assert [r["status"] for r in recs.values()] == ["succeeded"] * 50, _broker_state(db.url, recs)
+        assert all(r["result"]["completion_tokens"] == 100 for r in recs.values())
+        for resp in answers:
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "broker_unavailable"
+        assert s.procs[-1].alive(), "the worker must ride out a Redis restart"
+    finally:
+        s.stop()
+        db.stop()
+
+
+def test_jobs_whose_messages_went_astray_run_all_the_same(make_stack, redis_url):
+    """What a Redis restart, a dropped connection or a dead worker can leave behind: queued
+    jobs whose message is gone (popped by a worker whose connection died before kombu recorded
+    it in `unacked`, or never published by an API that died), a queued job whose message a
+    worker received and died before starting, and a job recorded running on a worker that is
+    gone without a trace. The workers find all of them and run them."""
+    from tasks.config import queue_for
+
+    s = make_stack(GENQ_RECONCILE_INTERVAL="1")
+    s.start_api()  # no worker yet: the jobs wait
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        lost = [submit(s, prompt=p, max_new_tokens=8, ignore_eos=True) for p in _prompts(3)]
+        received = submit(s, prompt="received, never started", max_new_tokens=8, ignore_eos=True)
+        stranded = submit(s, prompt="stranded on a vanished worker", max_new_tokens=8, ignore_eos=True)
+        queue = queue_for(s.name)
+        lists = [k for k in r.scan_iter(match=f"{queue}*") if r.type(k) == "list"]
+        for key in lists:
+            for raw in r.lrange(key, 0, -1):
+                job = json.loads(raw)["headers"]["id"]
+                r.lrem(key, 1, raw)
+                if job == received:  # as kombu's QoS records a delivery, a minute ago
+                    tag = json.loads(raw)["properties"]["delivery_tag"]
+                    r.hset("unacked", tag, json.dumps([json.loads(raw), queue, queue]))
+                    r.zadd("unacked_index", {tag: time.time() - 60})
+        gone = f"genq-hf-0@vanished-{uuid.uuid4().hex[:6]}"
+        r.hset(keys.job(stranded), mapping={"status": "running", "attempts": 1, "worker": gone, "tag": "t0"})
+        r.zrem(keys.queued(queue), stranded)
+        r.hset(keys.inflight(gone), stranded, "t0")
+        s.start_worker()
+        recs = _wait_final(s, [*lost, received, stranded], 90)
+        for job in [*lost, received]:
+            assert recs[job]["status"] == "succeeded" and recs[job]["attempts"] == 1, recs[job]
+            assert recs[job]["result"]["completion_tokens"] == 8
+        assert recs[stranded]["status"] == "succeeded" and recs[stranded]["attempts"] == 2, recs[stranded]
+        assert not r.exists(keys.inflight(gone))
+        worker_log = s.procs[-1].log.read_text()
+        republished = [l for l in worker_log.splitlines() if "had lost its message; published it again" in l]
+        assert all(any(j in l for l in republished) for j in lost), republished
+        assert f"job {received} was received by a worker that never started it" in worker_log
+    finally:
+        r.close()
+        s.stop()
+
+
+def test_a_job_that_kills_every_worker_fails_after_max_attempts(make_stack):
+    s = make_stack(GENQ_MAX_BATCH_SIZE="4", GENQ_MAX_ATTEMPTS="3")
+    s.start_api()
+    job = submit(s, prompt="poison", max_new_tokens=480, ignore_eos=True)
+    for attempt in (1, 2, 3):
+        worker = s.start_worker()
+
+        def running_here() -> bool:
+            rec = s.get(f"/v1/jobs/{job}").json()
+            return rec["status"] == "running" and rec["attempts"] == attempt and f"-{worker.pid}@" in rec["worker"]
+
+        stackmod.wait_until(running_here, 120, f"attempt {attempt}", s.procs)  # a busy machine loads slowly
+        worker.signal(signal.SIGKILL)
+        worker.popen.wait(10)
+        s.procs.remove(worker)
+    s.start_worker()  # finds the third run's worker dead: no fourth run
+    rec = s.get(f"/v1/jobs/{job}?wait=60").json()
+    assert rec["status"] == "failed" and rec["attempts"] == 3, rec
+    assert rec["error"]["code"] == "worker_lost" and "3 attempts" in rec["error"]["message"]
+    # The fleet is still up.
+    s.wait_ready()
+    resp = s.post("/basic_generate", json={"prompt": "Hello", "max_new_tokens": 4}, timeout=60)
+    assert resp.status_code == 200
+
+
+def test_the_queue_cap_is_exact_under_concurrent_submissions(make_stack):
+    s = make_stack(GENQ_MAX_QUEUE_DEPTH="50", GENQ_API_WORKERS="2")
+    s.start_api()  # no worker: everything accepted stays queued
+    codes: list[int] = []
+
+    def post():
+        for _ in range(10):
+            codes.append(s.post("/v1/jobs", json={"prompt": "x"}).status_code)
+
+    threads = [threading.Thread(target=post) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes.count(202) == 50 and codes.count(429) == 50, sorted(set(codes))
+
+
+# -- the fence and the restart marker, against a real Redis, without a model -----------------
+
+
+@pytest.fixture
+def store(redis_url):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield JobStore(client, ttl=600, max_attempts=3)
+    client.close()
+
+
+def _job(store: JobStore, **params) -> str:
+    spec = JobSpec(id=str(uuid.uuid4()), model="m", prompt="p", params=SamplingParams(**params))
+    assert store.create([spec], f"genq.test-{uuid.uuid4().hex[:6]}", 10)[0]
+    return spec.id
+
+
+def test_a_superseded_attempt_cannot_finish_the_job(store):
+    job = _job(store)
+    first = store.start(job, "w1", "tag-1")
+    second = store.start(job, "w2", "tag-2")
+    assert (first.run, first.number, second.run, second.number) == (True, 1, True, 2)
+    assert store.r.hgetall(keys.inflight("w1")) == {} and store.r.hgetall(keys.inflight("w2")) == {job: "tag-2"}
+    assert store.finish(job, JobStatus.succeeded, fence=1) == (False, JobStatus.running)
+    assert store.finish(job, JobStatus.succeeded, fence=2) == (True, JobStatus.running)
+    assert store.r.hgetall(keys.inflight("w2")) == {}
+
+
+def test_a_job_out_of_attempts_fails_when_delivered_again(store):
+    job = _job(store)
+    for n in (1, 2, 3):
+        assert store.start(job, f"w{n}", f"t{n}").run
+    fourth = store.start(job, "w4", "t4")
+    assert (fourth.run, fourth.exhausted) == (False, True)
+    rec = store.get(job)
+    assert rec["status"] == "failed" and json.loads(rec["error"])["code"] == "worker_lost"
+
+
+def _publish(store: JobStore, job: str, attempt: int, tokens: list[str], finish: bool = False) -> None:
+    pub = StreamPublisher(store.r, 600, 100)
+    pub.attempts[job] = attempt
+    events = [(job, TokenEvent(i, t)) for i, t in enumerate(tokens)]
+    if finish:
+        events.append((job, TokenEvent(len(tokens), "", finish="length", usage={})))
+    pub.emit(events, [])
+    pub.close()
+
+
+def _take(it, n: int) -> list:
+    out = []
+    while len(out) < n:
+        item = next(it)
+        if item is not None:
+            out.append(item[1])
+    return out
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_readers_never_mix_two_attempts_tokens(store, sampled):
+    job = _job(store, temperature=1.0) if sampled else _job(store)
+    store.start(job, "w1", "t1")
+    _publish(store, job, 1, ["a", "b", "c"])
+    reader = follow(store.r, [job], store.get)
+    assert [e.text for e in _take(reader, 3)] == ["a", "b", "c"]
+
+    store.start(job, "w2", "t2")  # the first worker was given up for dead
+    _publish(store, job, 1, ["d"])  # it wakes and writes: fenced off
+    second = ["A", "B", "C", "D"] if sampled else ["a", "b", "c", "d"]
+    _publish(store, job, 2, second, finish=True)
+    store.finish(job, JobStatus.succeeded, fence=2)
+
+    rest = [e for e in reader if e is not None]
+    late = [e for e in follow(store.r, [job], store.get, {job: "1"}) if e is not None]
+    if sampled:
+        # Told to start over, then the second attempt alone, with ids that name it.
+        assert isinstance(rest[0][1], Restart) and rest[0][1].attempt == 2
+        assert [e.text for _, e in rest[1:]] == ["A", "B", "C", "D", ""]
+        assert [e.event_id for _, e in rest[1:]] == ["2:0", "2:1", "2:2", "2:3", "2:4"]
+        # A reader resuming from the first attempt's id 1 is told so too.
+        assert isinstance(late[0][1], Restart) and [e.text for _, e in late[1:]] == second + [""]
+    else:
+        # Greedy: the same tokens again; the reader skips what it has and sees no seam.
+        assert [e.text for _, e in rest] == ["d", ""]
+        assert [e.text for _, e in late] == ["c", "d", ""]
+    assert not any(isinstance(e, StreamEnd) for _, e in rest + late)
+
+
+def test_two_workers_sweeping_one_dead_worker_recover_each_job_once(store, redis_url):
+    """Every live worker sweeps, and several stacks may share one Redis: a second sweeper
+    that read the dead worker's in-flight hash before the first one cleared it finds the
+    message gone from `unacked` (the first restored it) and, if a consumer has just popped it
+    (between its BRPOP and its `unacked` write: in no list), nowhere. It must not publish the
+    job again: that ran a job three times (CI, attempts 3). Real Redis, real kombu channel."""
+    from tasks.celery_app import PRIORITY_STEPS, make_celery, publish_job
+    from tasks.config import Settings
+    from tasks.registry import Registry
+    from worker.recovery import Reaper
+
+    queue = f"genq.test-{uuid.uuid4().hex[:6]}"
+    spec = JobSpec(id=str(uuid.uuid4()), model="m", prompt="p", params=SamplingParams())
+    assert store.create([spec], queue, 10)[0]
+    app = make_celery(Settings(redis_url=redis_url))
+    dead = f"genq-hf-0@dead-{uuid.uuid4().hex[:6]}"
+    sweepers = [Reaper(app, store, Registry(store.r, 3), f"genq-hf-{n}@alive") for n in (1, 2)]
+    channel = sweepers[0]._channel()
+    lists = [channel._q_for_pri(queue, step) for step in PRIORITY_STEPS]
+    tag = ""
+    try:
+        # The dead worker had received and started the job: its message is in `unacked`.
+        publish_job(app, spec, queue)
+        (key,) = [k for k in lists if store.r.llen(k)]
+        raw = store.r.rpop(key)
+        tag = json.loads(raw)["properties"]["delivery_tag"]
+        store.r.hset("unacked", tag, json.dumps([json.loads(raw), queue, queue]))
+        store.r.zadd("unacked_index", {tag: time.time()})
+        assert store.start(spec.id, dead, tag).number == 1
+
+        late = store.r.hgetall(keys.inflight(dead))  # the second sweeper's look, made first
+        assert late == {spec.id: tag}
+        assert sweepers[0].recover(dead) == 1  # what its sweep does for a stale worker
+        (back,) = [m for k in lists for m in store.r.lrange(k, 0, -1)]
+        assert json.loads(back)["headers"]["id"] == spec.id
+        for k in lists:  # a live consumer pops it: for a moment it is in no list and not in unacked
+            store.r.delete(k)
+        restored = [sweepers[1]._recover_one(keys.inflight(dead), job, t) for job, t in late.items()]
+        assert restored == [False]
+        assert [m for k in lists for m in store.r.lrange(k, 0, -1)] == [], "published a second time"
+        assert not store.r.exists(keys.inflight(dead))
+    finally:
+        for sweeper in sweepers:
+            sweeper.reset()
+        store.r.hdel("unacked", tag)  # shared with the other tests' stacks: only ours
+        store.r.zrem("unacked_index", tag)
+        store.r.delete(*lists)

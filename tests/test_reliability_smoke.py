@@ -1,0 +1,74 @@
+"""`python -m bench.reliability --runs 1 --quick` end to end: every scenario runs (the reference,
+a worker SIGKILLed and one SIGSTOPped mid-batch, a Redis restart, a poison job), the page it
+writes has its tables, and the killed and hung workers lost or duplicated no job. Written to a temporary file:
+docs/reliability.md is untouched."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts import stack
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT_S = 420
+
+
+def _rows(doc: str, section: str) -> list[list[str]]:
+    """The first table after `section`, without its header."""
+    table = []
+    for line in doc.split(section, 1)[1].splitlines():
+        if line.startswith("|"):
+            table.append([c.strip() for c in line.strip("|").split("|")])
+        elif table:
+            break
+    return table[2:]
+
+
+@pytest.mark.timeout(LIMIT_S + 120)  # above ours, which includes the grace for stopping
+def test_reliability_quick_run(tiny_model, tmp_path):
+    page = tmp_path / "reliability.md"
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.reliability", "--runs", "1", "--quick", "--out", str(page)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    # ~2 min alone on 2 cores. Past the limit, SIGTERM lets it stop what it started, then
+    # SIGKILL ends its group.
+    out, err, ran_over = stack.communicate_or_stop(proc, timeout=LIMIT_S)
+    assert not ran_over, f"bench.reliability ran over {LIMIT_S} s\n--- stderr\n{err[-5000:]}"
+    doc = page.read_text() if page.exists() else ""
+    # Exit 1 is a verdict that failed, written into the page: the Redis-restart scenario can
+    # still lose a job or the worker (kombu's BRPOP-then-unacked window and its restore on
+    # channel close; issue 7 stays open for them). The harness itself must work either way.
+    assert proc.returncode in (0, 1), f"exit {proc.returncode}\n--- page\n{doc[:6000]}\n--- stderr\n{err[-5000:]}"
+
+    assert f"- Command: `python -m bench.reliability --runs 1 --quick --out {page}`" in doc
+    assert "## Verdict" in doc
+    faults = _rows(doc, "## A worker killed (SIGKILL) or hung (SIGSTOP) mid-batch")
+    assert [r[0] for r in faults] == ["SIGKILL", "SIGSTOP"]
+    for r in faults:
+        assert r[1] == "1" and float(r[6]) < 60, r  # one run each; recovered within a minute
+        assert r[9:12] == ["0", "0", "0"], r  # lost, duplicated, text unlike the reference
+    per_run = _rows(doc, "Per run:")
+    assert [r[0] for r in per_run] == ["SIGKILL", "SIGSTOP"]
+    assert per_run[1][11] == "2", per_run[1]  # the woken worker serves again
+    (redis_row,) = _rows(doc, "## Redis restart")
+    assert redis_row[0].isdigit(), redis_row
+    answers = _rows(doc, "The API's answers:")
+    assert {(r[1], r[2], r[3]) for r in answers if r[0] == "while down"} == {
+        ("GET /v1/jobs/<id>", "503", "broker_unavailable"),
+        ("GET /readyz", "503", "broker_unavailable"),
+        ("POST /v1/jobs", "503", "broker_unavailable"),
+    }
+    assert [r[0] for r in _rows(doc, "## Poison job")] == ["1", "2", "3"]
+    assert "status `failed` after 3 attempts" in doc and "error `worker_lost`" in doc
+    print(f"quick reliability run: {time.monotonic() - started:.0f} s")

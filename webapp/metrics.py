@@ -1,0 +1,148 @@
+"""The API's Prometheus metrics at `/metrics`, and the log line of every job it queues.
+
+gunicorn runs several API processes; prometheus_client's multiprocess mode makes their counts
+one: each process writes its values to files in `PROMETHEUS_MULTIPROC_DIR` (prepared by
+webapp/gunicorn_conf.py, which also marks exited processes dead) and `/metrics`, in whichever
+process answers, adds them all up. Without that directory (the Flask test client, a single
+process) the process's own registry is served.
+
+What the API counts: requests by route, method and status; jobs queued, per model; job
+submissions refused with 429 or 503, by the error's code; open token streams. Live workers per
+model and engine and the jobs waiting per model (`genq:num_requests_waiting`: the queue's exact
+depth, priority sub-queues included, tasks/jobs.py) are read from Redis when scraped.
+
+Every job message the API publishes carries the time it was queued (header `genq_created`),
+from which its worker measures queue time and time to first token without asking Redis
+(worker/metrics.py), and gets one log line (`job queued`, tasks/logs.py). Those two stay on with
+`GENQ_API_METRICS=false`, which turns off the counting and `/metrics`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+
+from celery.signals import after_task_publish, before_task_publish
+from flask import Flask, Response, request
+
+from tasks.celery_app import GENERATE_TASK
+from tasks.config import Settings, queue_for
+from tasks.logs import job_event
+from webapp.errors import BROKER_ERRORS
+from webapp.openapi import doc
+from webapp.service import EXTENSION
+
+log = logging.getLogger(__name__)
+
+# Read from Redis at scrape time, not counted: (name, help).
+WORKERS_LIVE = ("genq:workers_live", "Live workers with a loaded model, per model and engine.")
+WAITING = ("genq:num_requests_waiting", "Jobs waiting in a model's queue (priority sub-queues included).")
+
+
+class ApiMetrics:
+    """The API's counters. Built (and prometheus_client imported) only in the app factory, i.e.
+    in each gunicorn worker, after gunicorn_conf.py has chosen the multiprocess mode: a metric
+    built earlier would keep single-process values."""
+
+    def __init__(self, registry=None):
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        registry = registry or REGISTRY
+        self.requests = Counter("genq:api_requests", "HTTP requests by route, method and status.",
+                                ["route", "method", "status"], registry=registry)
+        self.submitted = Counter("genq:api_jobs_submitted", "Jobs queued.", ["model_name"], registry=registry)
+        self.rejected = Counter("genq:api_jobs_rejected", "Job submissions refused: 429 (queue full, "
+                                "quota) or 503 (no worker, Redis away), by the error's code.",
+                                ["status", "reason"], registry=registry)
+        self.open_streams = Gauge("genq:api_open_streams", "Token streams being sent (SSE).",
+                                  multiprocess_mode="livesum", registry=registry)
+
+
+_m: ApiMetrics | None = None
+
+
+def _stamp(sender=None, headers=None, **_) -> None:
+    if sender == GENERATE_TASK and headers is not None:
+        headers["genq_created"] = time.time()
+
+
+def _queued(sender=None, body=None, **_) -> None:
+    if sender != GENERATE_TASK:
+        return
+    try:
+        spec = body[0][0]  # protocol 2: (args, kwargs, embed); args = [the job spec]
+        job_id, model = spec["id"], spec["model"]
+    except (TypeError, LookupError):
+        return
+    job_event("queued", job_id, model=model, owner=spec.get("owner"))
+    if _m is not None:
+        _m.submitted.labels(model).inc()
+
+
+class _FromRedis:
+    """Live workers and queue depths, read when scraped."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        workers = self.service.live_workers(fresh=True)
+        live = GaugeMetricFamily(*WORKERS_LIVE, labels=["model_name", "engine"])
+        for (model, engine), n in sorted(collections.Counter((w.model, w.engine) for w in workers).items()):
+            live.add_metric([model, engine], n)
+        waiting = GaugeMetricFamily(*WAITING, labels=["model_name"])
+        for model in sorted({w.model for w in workers} | {self.service.settings.served_model}):
+            waiting.add_metric([model], self.service.store.depth(queue_for(model)))
+        return [live, waiting]
+
+
+def _record(response: Response) -> Response:
+    rule = request.url_rule
+    status = response.status_code
+    _m.requests.labels(rule.rule if rule else "unmatched", request.method, str(status)).inc()
+    if status in (429, 503) and request.method == "POST":
+        body = response.get_json(silent=True) or {}
+        reason = (body.get("error") or {}).get("code", "") if isinstance(body, dict) else ""
+        _m.rejected.labels(str(status), reason).inc()
+    if response.is_streamed and response.mimetype == "text/event-stream":
+        _m.open_streams.inc()
+        response.call_on_close(_m.open_streams.dec)
+    return response
+
+
+def init_app(app: Flask, settings: Settings) -> None:
+    global _m
+    before_task_publish.connect(_stamp, weak=False, dispatch_uid="genq-created")
+    after_task_publish.connect(_queued, weak=False, dispatch_uid="genq-queued")
+    if not settings.api_metrics:
+        return
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+    if _m is None:  # once per process, however many apps it builds
+        _m = ApiMetrics()
+    scraped = CollectorRegistry(auto_describe=False)
+    scraped.register(_FromRedis(app.extensions[EXTENSION]))
+    app.after_request(_record)
+
+    @app.get("/metrics")
+    @doc(media_type="text/plain", tag="health")
+    def metrics():
+        """Prometheus metrics of the API (and live workers and queue depths from Redis)."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            counted = CollectorRegistry()
+            multiprocess.MultiProcessCollector(counted)
+        else:
+            counted = REGISTRY
+        body = generate_latest(counted)
+        try:
+            body += generate_latest(scraped)
+        except BROKER_ERRORS as exc:
+            log.warning("/metrics without live workers and queue depths: Redis: %s", exc)
+        return Response(body, content_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,219 @@
+"""A worker's Prometheus metrics and its job log lines.
+
+Named like vLLM's (`genq:` for `vllm:`, the same buckets, the labels `model_name` and
+`engine`), so that dashboards and alerts written for vLLM read ours. Each worker process serves
+its own (`GENQ_METRICS_PORT`, 0 = off) from the default registry; Prometheus adds the workers
+up. Several workers on one host take the first free port from that one on and announce the
+port they got in their heartbeat (tasks/registry.py), where /readyz shows it.
+
+Where the numbers come from, each with one hook, so that engines and the task stay as they are:
+- `job_started` / `job_finished`, from the Celery task (worker/tasks.py): queue time, run time,
+  end-to-end latency, tokens, finish reason. `created` is the time the API recorded the job,
+  stamped on the message (header `genq_created`, webapp/metrics.py), so no Redis round trip is
+  needed; `started` and `finished` are this worker's clock, as in the job record.
+- `tokens_published`, from the publisher (worker/publisher.py): time to first token (from
+  `created`, queueing included, as vLLM's from arrival) and inter-token latency, when the token
+  events reach the job's stream, i.e. as a streaming client sees them. Jobs nobody can stream
+  (blocking calls, non-streamed completions) publish no events and have none: their clients
+  get the whole text at once, at the end-to-end latency.
+- `decode_step`, from the hf engine's decode step: the batch size of every step.
+The same two task hooks write the job's log lines (tasks/logs.py), so a job's log and its
+counts come from one place. With the exporter off, nothing is observed; the log lines stay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import prometheus_client as prom
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from tasks.logs import job_event
+
+log = logging.getLogger(__name__)
+
+# vLLM's buckets (vllm/v1/metrics/buckets.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+# Ports tried from GENQ_METRICS_PORT on, for several workers on one host.
+PORT_RANGE = 64
+
+
+def token_buckets(max_model_len: int | None) -> list[int]:
+    """vLLM's 1-2-5 series up to the model's context (`build_1_2_5_buckets`)."""
+    top, out, scale = max_model_len or 2048, [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > top:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class WorkerMetrics:
+    """Every metric of one worker process, bound to its model and engine."""
+
+    def __init__(self, model: str, engine: str, max_model_len: int | None = None,
+                 registry: CollectorRegistry = REGISTRY):
+        labels = ["model_name", "engine"]
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(model, engine)
+
+        def counter(name: str, doc: str, extra: list[str] = ()) -> Counter:
+            c = Counter(name, doc, labels + list(extra), registry=registry)
+            return c if extra else c.labels(model, engine)
+
+        tokens = token_buckets(max_model_len)
+        self.model, self.engine = model, engine
+        self.ttft = hist("genq:time_to_first_token_seconds", "Time to first token: the job recorded by "
+                         "the API to its first token event in the stream (streamed jobs).", TTFT_BUCKETS)
+        self.itl = hist("genq:inter_token_latency_seconds", "Time between two token events of a job in "
+                        "its stream (streamed jobs).", ITL_BUCKETS)
+        self.e2e = hist("genq:e2e_request_latency_seconds", "Job recorded by the API to finished.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.queue = hist("genq:request_queue_time_seconds", "Job recorded by the API to started by a "
+                          "worker.", REQUEST_LATENCY_BUCKETS)
+        self.inference = hist("genq:request_inference_time_seconds", "Job started by the worker to "
+                              "finished.", REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens = hist("genq:request_prompt_tokens", "Prompt tokens per finished job.", tokens)
+        self.generation_tokens = hist("genq:request_generation_tokens", "Generated tokens per finished "
+                                      "job.", tokens)
+        self.prompt_total = counter("genq:prompt_tokens", "Prompt tokens of finished jobs.")
+        self.generation_total = counter("genq:generation_tokens", "Tokens generated by finished jobs.")
+        self._success = counter("genq:request_success", "Jobs that succeeded, by finish reason "
+                                "(eos, stop, length).", ["finished_reason"])
+        self._failure = counter("genq:request_failure", "Jobs that failed (by error code) or were "
+                                "cancelled while running.", ["reason"])
+        self.running = Gauge("genq:num_requests_running", "Jobs this worker is running.", labels,
+                             registry=registry).labels(model, engine)
+        self.batch = hist("genq:batch_size", "Jobs decoded together, per decode step (hf engine).",
+                          BATCH_BUCKETS)
+
+    def success(self, reason: str) -> Counter:
+        return self._success.labels(self.model, self.engine, reason)
+
+    def failure(self, reason: str) -> Counter:
+        return self._failure.labels(self.model, self.engine, reason)
+
+
+class _Job:
+    __slots__ = ("model", "owner", "created", "started", "last")
+
+    def __init__(self, model: str, owner: str | None, created: float | None, started: float):
+        self.model, self.owner, self.created, self.started = model, owner, created, started
+        self.last: float | None = None  # when its latest token event was published
+
+
+_metrics: WorkerMetrics | None = None
+_jobs: dict[str, _Job] = {}  # the jobs this process runs; dict operations are atomic
+
+
+def start(port: int, host: str, model: str, engine: str, max_model_len: int | None) -> int | None:
+    """Define the metrics and serve them on the first free port from `port` on; returns that
+    port, or None when `port` is 0 (metrics off)."""
+    global _metrics
+    if not port:
+        return None
+    prom.disable_created_metrics()
+    m = WorkerMetrics(model, engine, max_model_len)
+    m.running.set_function(lambda: len(_jobs))
+    for candidate in range(port, min(port + PORT_RANGE, 65536)):
+        try:
+            server, _ = prom.start_http_server(candidate, addr=host)
+        except OSError:
+            continue
+        _metrics = m
+        got = server.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", host, got)
+        return got
+    raise OSError(f"no free port for metrics in {port}-{port + PORT_RANGE - 1} on {host}")
+
+
+def _created(request) -> float | None:
+    try:
+        return float(getattr(request, "genq_created", None) or 0) or None
+    except (TypeError, ValueError):
+        return None
+
+
+def job_started(spec, attempt: int, request) -> None:
+    """The task took the job (`request`: its Celery request, whose headers say when the API
+    recorded it)."""
+    now = time.time()
+    job = _Job(spec.model, getattr(spec, "owner", None), _created(request), now)
+    _jobs[spec.id] = job
+    queued = now - job.created if job.created else None
+    if _metrics is not None and queued is not None:
+        _metrics.queue.observe(max(0.0, queued))
+    job_event("running", spec.id, model=job.model, owner=job.owner, attempt=attempt,
+              queue_s=None if queued is None else round(queued, 6))
+
+
+def job_finished(job_id: str, state: str | None, retval) -> None:
+    """The task ended (Celery's `state`): SUCCESS with the result dict, FAILURE with the
+    exception, or IGNORED (cancelled, or taken over by another worker)."""
+    job = _jobs.pop(job_id, None)
+    if job is None:
+        return
+    now = time.time()
+    m = _metrics
+    fields: dict = {"model": job.model, "owner": job.owner}
+    if job.created:
+        fields["queue_s"] = round(job.started - job.created, 6)
+        fields["total_s"] = round(now - job.created, 6)
+    fields["run_s"] = round(now - job.started, 6)
+    if state == "SUCCESS" and isinstance(retval, dict):
+        reason = retval.get("finish_reason", "")
+        prompt, generated = int(retval.get("prompt_tokens", 0)), int(retval.get("completion_tokens", 0))
+        job_event("finished", job_id, status="succeeded", finish_reason=reason,
+                  prompt_tokens=prompt, completion_tokens=generated, **fields)
+        if m is not None:
+            m.success(reason).inc()
+            m.prompt_total.inc(prompt)
+            m.generation_total.inc(generated)
+            m.prompt_tokens.observe(prompt)
+            m.generation_tokens.observe(generated)
+            m.inference.observe(now - job.started)
+            if job.created:
+                m.e2e.observe(now - job.created)
+        return
+    if state == "FAILURE":
+        status, reason = "failed", getattr(retval, "code", None) or "internal"
+    else:
+        status, reason = "cancelled", "cancelled"
+    job_event("finished", job_id, status=status, error=reason if status == "failed" else None, **fields)
+    if m is not None:
+        m.failure(reason).inc()
+
+
+def tokens_published(batch) -> None:
+    """Token events just written to their streams: the publisher's batch of (events, resolved),
+    `events` a list of (job id, event, attempt)."""
+    m = _metrics
+    if m is None:
+        return
+    now = time.time()
+    for job_id, ev, _ in (e for events, _ in batch for e in events):
+        job = _jobs.get(job_id)
+        if job is None:
+            continue
+        if job.last is None:
+            m.ttft.observe(max(0.0, now - (job.created or job.started)))
+        elif not ev.finish:
+            m.itl.observe(now - job.last)
+        job.last = now
+
+
+def decode_step(batch: int) -> None:
+    m = _metrics
+    if m is not None:
+        m.batch.observe(batch)
+

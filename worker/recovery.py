@@ -1,0 +1,307 @@
+"""Recovery of a dead or hung worker's jobs, by the workers that are still alive.
+
+With `acks_late`, a job's message stays in kombu's `unacked` hash (by delivery tag) until its
+worker acknowledges it; kombu gives it back to the queue only after `visibility_timeout`, which
+must stay above the longest job (20 minutes by default). genqueue does not wait for that:
+
+- a worker starting an attempt records the message's delivery tag in its in-flight hash
+  (`genq:inflight:<worker>`, written by the same Lua call that marks the job running);
+- every live worker sweeps the registry each heartbeat; a worker whose heartbeat is older than
+  `heartbeat_ttl` is dead or hung, and its in-flight messages go back to the front of their
+  queue at once, through kombu's own restore path (`_do_restore_message`: the same queue and
+  priority, marked redelivered), in a transaction that removes them from `unacked`, so two
+  sweepers never restore one message twice;
+- the restored message gets a fresh delivery tag: when a hung worker wakes up and acknowledges
+  its old tag, that cannot remove the new delivery's entry from `unacked`;
+- a job that has used up `GENQ_MAX_ATTEMPTS` is not restored but fails (`worker_lost`): a job
+  that kills every worker it meets must not take the whole fleet down.
+
+A message can also be lost outright, or a job's record and its message can disagree, when
+Redis restarts or its connection drops at the wrong moment: kombu pops a message (BRPOP) and
+records it in `unacked` in a second command, so a worker whose connection dies in between
+holds the only copy; a Redis that restarts from its append-only file may have lost its last
+second of writes; an API process may die between recording a job and publishing it. Every
+`GENQ_RECONCILE_INTERVAL` each worker therefore compares what the records say with what the
+broker holds (`Reaper.reconcile`):
+
+- a job recorded `queued` on its queue whose message is in none of the queue's lists and not in
+  `unacked` is published again from the spec its record keeps; one whose message sits in
+  `unacked`, received by a worker that never started it (dead or hung: a live worker reserves
+  no more than it has threads and starts what it receives at once), is restored to its queue;
+- a job this worker's in-flight hash names but that this process is not running (its finish
+  was lost), and the in-flight jobs of a worker that is gone from the registry altogether,
+  are recovered like a dead worker's: restored from `unacked`, or published again;
+- both only when the same job is found adrift on two passes in a row: a message is between
+  BRPOP and `unacked` for microseconds, never for a whole interval.
+
+kombu itself gives a worker's received-but-unstarted messages back to the queue when the
+connection drops (`restore_unacked_once` as the channel closes). While Redis is still down
+that raises and takes the worker down; `guard_restores` makes it wait for Redis instead, and
+leaves the messages of jobs this worker is running where they are (it finishes and acks them
+once Redis is back): restoring them would run every job twice.
+
+The visibility timeout stays as the last resort.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Callable, Collection
+
+import redis
+from celery import Celery
+from kombu.transport import redis as kombu_redis
+from kombu.utils.json import loads
+
+from tasks import keys
+from tasks.celery_app import PRIORITY_STEPS, publish_job
+from tasks.jobs import JobStore
+from tasks.registry import Registry
+from tasks.schemas import JobStatus
+
+log = logging.getLogger(__name__)
+
+# How long kombu's restore of a dropped channel's messages waits for Redis to come back.
+RESTORE_WAIT_S = 60.0
+
+
+class Reaper:
+    def __init__(
+        self,
+        app: Celery,
+        store: JobStore,
+        registry: Registry,
+        me: str,
+        queue: str = "",
+        running: Callable[[], Collection[str]] = tuple,
+    ):
+        """`queue`: the queue this worker consumes, whose queued jobs it reconciles;
+        `running`: the ids of the jobs this process is running."""
+        self.app, self.store, self.registry, self.me = app, store, registry, me
+        self.queue, self.running = queue, running
+        self._conn = None
+        # Jobs found adrift on the last reconcile pass; acted on when found so again.
+        self._adrift: set[str] = set()
+
+    def sweep(self) -> int:
+        """Restore the jobs of every worker whose heartbeat went stale; returns how many."""
+        restored = 0
+        for name, seen in self.registry.stale():
+            if name == self.me:
+                continue
+            restored += self.recover(name)
+            self.registry.forget(name, seen)
+        return restored
+
+    def recover(self, worker: str) -> int:
+        inflight = self.store.r.hgetall(keys.inflight(worker))
+        restored = 0
+        for job_id, tag in inflight.items():
+            restored += self._recover_job(keys.inflight(worker), job_id, tag)
+        if inflight:
+            log.warning("worker %s stopped answering; %d of its %d jobs restored to their queues",
+                        worker, restored, len(inflight))
+        return restored
+
+    def restore(self, job_id: str, tag: str, status: JobStatus = JobStatus.running) -> bool:
+        """Put one job's unacknowledged message back in its queue if the job is still `status`
+        (running: its worker is lost; queued: its worker received it and never started it),
+        or fail the job if it is out of attempts. False when there was nothing to restore."""
+        rec = self.store.get(job_id)
+        running = rec is not None and rec["status"] == status.value
+        attempts = int(rec.get("attempts", 0)) if rec else 0
+        exhausted = status is JobStatus.running and running and attempts >= self.store.max_attempts
+        if exhausted and self.store.give_up(job_id, attempts):
+            log.warning("job %s failed: its worker was lost on each of %d attempts", job_id, attempts)
+        channel = self._channel()
+
+        def move(pipe):
+            raw = pipe.hget(channel.unacked_key, tag)
+            pipe.multi()
+            channel.qos._remove_from_indices(tag, pipe)
+            if raw and running and not exhausted:
+                payload, exchange, routing_key = loads(raw)
+                payload["properties"]["delivery_tag"] = str(uuid.uuid4())
+                channel._do_restore_message(payload, exchange, routing_key, pipe, leftmost=False)
+            return bool(raw)
+
+        with channel.conn_or_acquire() as client:
+            found = client.transaction(move, channel.unacked_key, value_from_callable=True)
+        return bool(found and running and not exhausted)
+
+    # -- reconciling records with the broker ----------------------------------------------
+
+    def reconcile(self) -> int:
+        """One pass: publish again what is adrift on two passes in a row; returns how many."""
+        adrift: dict[str, Callable[[], bool]] = {}
+        live = set(self.registry.r.hkeys(keys.WORKERS))
+        for key in self.store.r.scan_iter(match=keys.inflight("*"), count=100):
+            worker = key[len(keys.inflight("")):]
+            if worker == self.me:
+                mine = set(self.running())
+                for job_id, tag in self.store.r.hgetall(key).items():
+                    if job_id not in mine:
+                        adrift[job_id] = lambda j=job_id, t=tag, k=key: self._recover_one(k, j, t)
+            elif worker not in live:
+                for job_id, tag in self.store.r.hgetall(key).items():
+                    adrift[job_id] = lambda j=job_id, t=tag, k=key: self._recover_one(k, j, t)
+        if self.queue:
+            for job_id, tag in self._stuck(self.queue).items():
+                if tag is None:
+                    adrift[job_id] = lambda j=job_id: self.republish(j, JobStatus.queued)
+                else:
+                    adrift[job_id] = lambda j=job_id, t=tag: self._restore_unstarted(j, t)
+        done = 0
+        for job_id, act in adrift.items():
+            if job_id in self._adrift:
+                done += bool(act())
+        self._adrift = set(adrift)
+        return done
+
+    def _recover_one(self, inflight_key: str, job_id: str, tag: str) -> bool:
+        log.warning("job %s is in flight on no running worker; recovering it", job_id)
+        return self._recover_job(inflight_key, job_id, tag)
+
+    def _recover_job(self, inflight_key: str, job_id: str, tag: str) -> bool:
+        """Restore (or, if its message is gone, publish again) one job a lost worker had in
+        flight, and take it off that worker's in-flight hash.
+
+        Every live worker sweeps (several stacks may share a Redis): one of them recovers a
+        given job, the one holding its recovery lock, and only while the job is still in the
+        lost worker's hash. Without that, a second sweeper that read the hash before the first
+        one cleared it would find the message gone from `unacked` (restored) and could publish
+        it again while a consumer holds it between its BRPOP and its `unacked` write: the job
+        would run three times."""
+        lock = self.store.r.lock(f"{keys.job(job_id)}:recovering", timeout=30, blocking=False)
+        if not lock.acquire():
+            return False  # another worker is on it; if it dies, the reconciler finds the entry
+        try:
+            if not self.store.r.hexists(inflight_key, job_id):
+                return False
+            found = self.restore(job_id, tag) or self.republish(job_id, JobStatus.running)
+            self.store.r.hdel(inflight_key, job_id)
+            return found
+        finally:
+            try:
+                lock.release()
+            except redis.exceptions.LockError:
+                pass
+
+    def _restore_unstarted(self, job_id: str, tag: str) -> bool:
+        log.warning("job %s was received by a worker that never started it; restoring it", job_id)
+        return self.restore(job_id, tag, JobStatus.queued)
+
+    def _stuck(self, queue: str, grace: float = 5.0) -> dict[str, str | None]:
+        """Jobs recorded as queued on `queue` (for `grace` seconds at least) whose message is
+        in none of the queue's lists: those in `unacked` for `grace` seconds, with their tags
+        (a worker received them and did not start them: a live one starts what it receives
+        at once, as it reserves no more than it has threads), and the rest, with None (their
+        message is nowhere)."""
+        now = time.time()
+        waiting = self.store.r.zrangebyscore(keys.queued(queue), "-inf", now - grace)
+        if not waiting:
+            return {}
+        listed, unacked = self._held(queue)
+        stuck: dict[str, str | None] = {}
+        for job_id in set(waiting) - listed:
+            tag, delivered = unacked.get(job_id, (None, 0.0))
+            if tag is None or delivered < now - grace:
+                stuck[job_id] = tag
+        return stuck
+
+    def _held(self, queue: str) -> tuple[set[str], dict[str, tuple[str, float]]]:
+        """What the broker holds for `queue`, in one atomic look: the ids of the jobs whose
+        messages wait in one of its priority lists, and those delivered and not acknowledged
+        (any queue's), with their delivery tags and times."""
+        channel = self._channel()
+        lists = [channel._q_for_pri(queue, step) for step in PRIORITY_STEPS]
+        with channel.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=True)
+            for name in lists:
+                pipe.lrange(name, 0, -1)
+            pipe.hgetall(channel.unacked_key)
+            pipe.zrange(channel.unacked_index_key, 0, -1, withscores=True)
+            *queued, unacked, index = pipe.execute()
+        listed = {_message_id(loads(raw)) for msgs in queued for raw in msgs}
+        times = {(t.decode() if isinstance(t, bytes) else t): score for t, score in index}
+        held: dict[str, tuple[str, float]] = {}
+        for tag, raw in unacked.items():
+            tag = tag.decode() if isinstance(tag, bytes) else tag
+            held[_message_id(loads(raw)[0])] = (tag, times.get(tag, 0.0))
+        return listed, held
+
+    def republish(self, job_id: str, status: JobStatus) -> bool:
+        """Publish a job's message again from its record, if the record is still `status`
+        (and has attempts left) and its message is nowhere on its queue."""
+        rec = self.store.get(job_id)
+        if rec is None or rec["status"] != status.value:
+            return False
+        if status is JobStatus.running and int(rec.get("attempts", 0)) >= self.store.max_attempts:
+            attempts = int(rec.get("attempts", 0))
+            if self.store.give_up(job_id, attempts):
+                log.warning("job %s failed: its worker was lost on each of %d attempts", job_id, attempts)
+            return False
+        spec = self.store.spec(rec)
+        if spec is None:
+            log.error("job %s has no message and no spec to publish it again from", job_id)
+            return False
+        # Every worker on the queue reconciles it: one of them publishes.
+        if not self.store.r.set(f"{keys.job(job_id)}:republish", self.me, nx=True, ex=30):
+            return False
+        listed, unacked = self._held(rec["queue"])
+        if job_id in listed or job_id in unacked:
+            return False
+        publish_job(self.app, spec, rec["queue"])
+        log.warning("job %s (%s) had lost its message; published it again", job_id, status.value)
+        return True
+
+    def _channel(self):
+        if self._conn is None:
+            self._conn = self.app.connection_for_write()
+        return self._conn.default_channel
+
+    def reset(self) -> None:
+        """Drop the broker connection after an error; the next sweep opens a new one."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except (redis.RedisError, OSError):
+                pass
+
+
+
+def _message_id(message: dict) -> str:
+    """The task id (our job id) in a kombu message as Celery's protocol 2 writes it."""
+    return (message.get("headers") or {}).get("id", "")
+
+
+def guard_restores(running_tags: Callable[[], Collection[str]]) -> None:
+    """Make kombu's restore of a closed channel's unacknowledged messages (its Redis QoS)
+    wait for Redis instead of raising, and skip the messages of jobs still running here."""
+    original = kombu_redis.QoS.restore_unacked
+    if getattr(original, "genq_guarded", False):
+        return
+
+    def restore_unacked(self, client=None):
+        keep = set(running_tags())
+        for tag in [t for t in self._delivered if t in keep]:
+            self._delivered.pop(tag, None)
+        deadline = time.monotonic() + RESTORE_WAIT_S
+        while True:
+            try:
+                return original(self, client)
+            except Exception as exc:  # noqa: BLE001 - whatever a half-closed client raises
+                if time.monotonic() > deadline:
+                    log.error("could not give %d received jobs back to the broker: %s; they "
+                              "come back after the visibility timeout", len(self._delivered), exc)
+                    self._delivered.clear()
+                    return None
+                log.warning("giving received jobs back to the broker failed (%s); retrying", exc)
+                client = None
+                time.sleep(0.5)
+
+    restore_unacked.genq_guarded = True
+    kombu_redis.QoS.restore_unacked = restore_unacked
