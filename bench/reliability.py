@@ -123,6 +123,10 @@ class Fleet:
             "GENQ_API_WORKERS": "1",
             "GENQ_MAX_BATCH_SIZE": str(BATCH),
             "GENQ_LOG_LEVEL": "INFO",
+            # Greedy texts are compared with the reference run's. In bfloat16 (what `auto` picks
+            # on AMX/AVX512-BF16 CPUs) a job's logits depend on the batch it runs in, so a job
+            # that ran again beside other jobs could differ; float32 keeps them batch-invariant.
+            "GENQ_DTYPE": "float32",
             **env,
         }
         self.r = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5)
@@ -504,7 +508,8 @@ def render(res: dict) -> str:
          f"- Machine: {m['nproc']} CPUs (nproc), {m['cpu_model']}, {m['ram_gib']:.1f} GiB RAM, Linux {m['kernel']}; "
          f"Python {m['python']}, Redis {res['redis_version']}; load average at start "
          f"{', '.join(f'{x:.2f}' for x in m['loadavg_start'])}, at end {', '.join(f'{x:.2f}' for x in res['loadavg_end'])}",
-         f"- Settings: hf workers on `{os.path.relpath(stack.TINY_MODEL_DIR, ROOT)}`, GENQ_MAX_BATCH_SIZE={BATCH}, "
+         f"- Settings: hf workers on `{os.path.relpath(stack.TINY_MODEL_DIR, ROOT)}`, GENQ_MAX_BATCH_SIZE={BATCH}, GENQ_DTYPE=float32 "
+         "(greedy texts are compared across batches; bfloat16 logits depend on the batch), "
          f"GENQ_HEARTBEAT_INTERVAL={beat['GENQ_HEARTBEAT_INTERVAL']} s, GENQ_HEARTBEAT_TTL={beat['GENQ_HEARTBEAT_TTL']} s"
          + (" (the defaults)" if beat == DEFAULT_BEAT else " (--quick: the tests' fast heartbeat, not the default)")
          + ", GENQ_VISIBILITY_TIMEOUT and GENQ_MAX_ATTEMPTS unset (1,260 s and 3); GENQ_API_WORKERS=1; every job "

@@ -99,19 +99,53 @@ class Stack:
         self.http.close()
 
 
-@pytest.fixture(scope="session")
-def make_stack(redis_url, tiny_model, tmp_path_factory):
-    stacks: list[Stack] = []
-    logs = tmp_path_factory.mktemp("logs")
+class Stacks:
+    """Makes stacks and stops them all at once: at the end of the test, module or session of
+    the fixture that holds it. A stack left running past its test keeps a worker heartbeating,
+    sweeping and (with a short GENQ_VISIBILITY_TIMEOUT) restoring other stacks' messages from
+    the shared Redis: later tests would see it."""
 
-    def _make(**env: str) -> Stack:
-        s = Stack(redis_url, tiny_model, logs, **env)
-        stacks.append(s)
+    def __init__(self, redis_url: str, model: Path, logs: Path):
+        self.redis_url, self.model, self.logs = redis_url, model, logs
+        self.stacks: list[Stack] = []
+
+    def __call__(self, **env: str) -> Stack:
+        s = Stack(self.redis_url, self.model, self.logs, **env)
+        self.stacks.append(s)
         return s
 
-    yield _make
-    for s in stacks:
-        s.stop()
+    def stop(self) -> None:
+        for s in reversed(self.stacks):
+            s.stop()
+
+
+@pytest.fixture(scope="session")
+def stack_logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def make_session_stack(redis_url, tiny_model, stack_logs):
+    """For session fixtures: the stacks live until the session ends."""
+    stacks = Stacks(redis_url, tiny_model, stack_logs)
+    yield stacks
+    stacks.stop()
+
+
+@pytest.fixture(scope="module")
+def make_module_stack(redis_url, tiny_model, stack_logs):
+    """For module fixtures: the stacks are stopped when the module's tests are done."""
+    stacks = Stacks(redis_url, tiny_model, stack_logs)
+    yield stacks
+    stacks.stop()
+
+
+@pytest.fixture
+def make_stack(redis_url, tiny_model, stack_logs):
+    """For a test: its stacks are stopped when it ends, passed or failed."""
+    stacks = Stacks(redis_url, tiny_model, stack_logs)
+    yield stacks
+    stacks.stop()
 
 
 # The key of `idle_stack`, for tests of clients that send one.
@@ -119,9 +153,9 @@ IDLE_STACK_KEY = "sk-client-test-0123456789"
 
 
 @pytest.fixture(scope="session")
-def echo_stack(make_stack) -> Stack:
+def echo_stack(make_session_stack) -> Stack:
     """The echo engine (no model) behind one worker and the API: the queue path alone."""
-    s = make_stack(GENQ_ENGINE="echo")
+    s = make_session_stack(GENQ_ENGINE="echo")
     s.start_api()
     s.start_worker()
     s.wait_ready()
@@ -129,17 +163,17 @@ def echo_stack(make_stack) -> Stack:
 
 
 @pytest.fixture(scope="session")
-def idle_stack(make_stack) -> Stack:
+def idle_stack(make_session_stack) -> Stack:
     """An API with a key (IDLE_STACK_KEY) and no worker: submitted jobs wait in the queue."""
-    s = make_stack(GENQ_API_KEYS=IDLE_STACK_KEY)
+    s = make_session_stack(GENQ_API_KEYS=IDLE_STACK_KEY)
     s.start_api()
     return s
 
 
 @pytest.fixture(scope="session")
-def hf_stack(make_stack) -> Stack:
+def hf_stack(make_session_stack) -> Stack:
     """The tiny model behind one hf worker and the API, shared by the end-to-end tests."""
-    s = make_stack(GENQ_MAX_BATCH_SIZE="16")
+    s = make_session_stack(GENQ_MAX_BATCH_SIZE="16")
     s.start_api()
     s.start_worker()
     s.wait_ready()
@@ -169,9 +203,9 @@ def vllm_reference(tiny_model):
 
 
 @pytest.fixture(scope="session")
-def vllm_stack(make_stack) -> Stack:
+def vllm_stack(make_session_stack) -> Stack:
     """The tiny model behind one vLLM worker (and the API)."""
-    s = make_stack(GENQ_ENGINE="vllm", GENQ_MAX_BATCH_SIZE="16")
+    s = make_session_stack(GENQ_ENGINE="vllm", GENQ_MAX_BATCH_SIZE="16")
     s.start_api()
     s.start_worker()
     s.wait_ready(timeout=240)
@@ -204,7 +238,8 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if not report.failed:
         return
-    stacks = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Stack)]
+    args = getattr(item, "funcargs", {}).values()
+    stacks = [v for v in args if isinstance(v, Stack)] + [s for v in args if isinstance(v, Stacks) for s in v.stacks]
     for s in stacks:
         for proc in s.procs:
             if proc.log and proc.log.exists():

@@ -48,9 +48,9 @@ def keys_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def keyed(make_stack, keys_file):
+def keyed(make_module_stack, keys_file):
     """Keys from the file and GENQ_API_KEYS, an echo worker that logs at DEBUG."""
-    s = make_stack(GENQ_API_KEYS_FILE=str(keys_file), GENQ_API_KEYS=f" {DAVE} ,", GENQ_ENGINE="echo")
+    s = make_module_stack(GENQ_API_KEYS_FILE=str(keys_file), GENQ_API_KEYS=f" {DAVE} ,", GENQ_ENGINE="echo")
     s.start_api()
     s.start_worker(GENQ_LOG_LEVEL="DEBUG")
     s.wait_ready()
@@ -58,9 +58,9 @@ def keyed(make_stack, keys_file):
 
 
 @pytest.fixture(scope="module")
-def idle(make_stack, keys_file, redis_url):
+def idle(make_module_stack, keys_file, redis_url):
     """The same keys and no worker: submitted jobs stay queued. Cancels them at the end."""
-    s = make_stack(GENQ_API_KEYS_FILE=str(keys_file), GENQ_API_KEYS=DAVE)
+    s = make_module_stack(GENQ_API_KEYS_FILE=str(keys_file), GENQ_API_KEYS=DAVE)
     s.start_api()
     s.jobs = []
     yield s

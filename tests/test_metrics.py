@@ -34,9 +34,9 @@ def total(samples: dict, name: str, **labels) -> float:
 
 
 @pytest.fixture(scope="module")
-def metered(make_stack):
+def metered(make_module_stack):
     base = stackmod.free_port()
-    s = make_stack(GENQ_API_WORKERS="2", GENQ_METRICS_PORT=str(base), GENQ_LOG_FORMAT="json",
+    s = make_module_stack(GENQ_API_WORKERS="2", GENQ_METRICS_PORT=str(base), GENQ_LOG_FORMAT="json",
                    GENQ_MAX_BATCH_SIZE="8")
     s.metrics_base = base
     s.start_api()

@@ -23,9 +23,9 @@ LONG = {"prompt": "Hello", "max_new_tokens": 500, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def pair(make_stack):
+def pair(make_module_stack):
     """One worker whose batch holds two jobs: a third waits in the queue."""
-    s = make_stack(GENQ_MAX_BATCH_SIZE="2")
+    s = make_module_stack(GENQ_MAX_BATCH_SIZE="2")
     s.start_api()
     s.start_worker()
     s.wait_ready()

@@ -16,8 +16,8 @@ from worker.engines.sim import sim_tokens, step_ms
 
 
 @pytest.fixture(scope="module")
-def sim_stack(make_stack):
-    s = make_stack(GENQ_ENGINE="sim", GENQ_SIM_STEP_MS="2+0.5", GENQ_MAX_BATCH_SIZE="8")
+def sim_stack(make_module_stack):
+    s = make_module_stack(GENQ_ENGINE="sim", GENQ_SIM_STEP_MS="2+0.5", GENQ_MAX_BATCH_SIZE="8")
     s.start_api()
     s.start_worker()
     s.wait_ready()
