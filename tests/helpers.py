@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import requests
@@ -81,3 +85,43 @@ class KillableRedis:
         if self.proc:
             self.proc.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# -- the benchmark smoke tests ----------------------------------------------------------------
+
+
+def run_bench(module: str, *args: str, timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`python -m <module> <args>` from the repository root, in a session of its own; returns
+    its exit status, stdout and stderr. Past `timeout` it gets SIGTERM, so that it stops the
+    stack it started, and a minute later its process group SIGKILL; the test then fails."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=stackmod.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    out, err, ran_over = stackmod.communicate_or_stop(proc, timeout=timeout)
+    assert not ran_over, f"{module} ran over {timeout} s\n--- stderr\n{err[-5000:]}"
+    return proc.returncode, out, err
+
+
+def digest(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def table_rows(doc: str, section: str) -> list[list[str]]:
+    """The cells of the first Markdown table after `section` (a line that starts with it, or
+    else the first place it occurs; none if a heading comes first), without its header and
+    separator rows."""
+    at = doc.find("\n" + section)
+    at = at + 1 if at >= 0 else doc.index(section)
+    table = []
+    for line in doc[at + len(section):].splitlines()[1:]:
+        if line.startswith("|"):
+            table.append([c.strip() for c in line.strip("|").split("|")])
+        elif table or line.startswith("#"):
+            break
+    return table[2:]

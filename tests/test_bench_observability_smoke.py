@@ -3,23 +3,13 @@ without metrics prints its table (the numbers do not matter here)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-from scripts import stack
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import run_bench
 
 
 def test_bench_observability_quick_run(tiny_model):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.observability", "--rounds", "1", "--echo-duration", "2",
-         "--configs", "off,metrics", "--quiet-wait", "0", "--retries", "0"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    out, err, ran_over = stack.communicate_or_stop(proc, timeout=180)
-    assert not ran_over and proc.returncode == 0, err[-4000:]
+    rc, out, err = run_bench("bench.observability", "--rounds", "1", "--echo-duration", "2",
+                             "--configs", "off,metrics", "--quiet-wait", "0", "--retries", "0", timeout=180)
+    assert rc == 0, err[-4000:]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
             for line in out.splitlines() if line.startswith("| ") and "---" not in line}
     assert {"off", "metrics"} <= set(rows), out

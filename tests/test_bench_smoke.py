@@ -4,43 +4,23 @@ the printed report has the expected tables and rows. --no-write: docs/benchmarks
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 from scripts import stack
+from tests.helpers import digest, run_bench, table_rows
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
-
-
-def _digest(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+DOC = stack.ROOT / "docs" / "benchmarks.md"
 
 
 def test_bench_quick_run(tiny_model, redis_url):
-    before = _digest(DOC)
+    before = digest(DOC)
     started = time.monotonic()
-    proc = subprocess.Popen(
-        # --quiet-wait 0 --retries 0: on a busy machine, do not wait for quiet (numbers don't matter here).
-        [sys.executable, "-m", "bench.run", "--model", "tiny", "--levels", "1,2", "--duration", "2", "--no-write",
-         "--quiet-wait", "0", "--retries", "0"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "REDIS_URL": redis_url},
-        start_new_session=True,
-    )
-    # ~30 s expected alone; a machine busy with other work can take several times that. Past the
-    # limit, SIGTERM lets the benchmark stop its worker and API, then SIGKILL ends its group.
-    out, err, ran_over = stack.communicate_or_stop(proc, timeout=240)
-    assert not ran_over, f"bench.run ran over 240 s\n--- stderr\n{err[-5000:]}"
+    # ~30 s expected alone; a machine busy with other work can take several times that.
+    # --quiet-wait 0 --retries 0: on a busy machine, do not wait for quiet (numbers don't matter here).
+    rc, out, err = run_bench("bench.run", "--model", "tiny", "--levels", "1,2", "--duration", "2", "--no-write",
+                             "--quiet-wait", "0", "--retries", "0", timeout=240, env={"REDIS_URL": redis_url})
     took = time.monotonic() - started
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
+    assert rc == 0, f"exit {rc}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
     for heading in (
         "## Targets",
         "## 1. API path",
@@ -55,9 +35,7 @@ def test_bench_quick_run(tiny_model, redis_url):
     assert "Command: `python -m bench.run --model tiny --levels 1,2 --duration 2 --no-write --quiet-wait 0 --retries 0`" in out
 
     def rows(section: str) -> list[list[str]]:
-        body = out.split(section, 1)[1].split("\n#", 1)[0]
-        table = [line for line in body.splitlines() if line.startswith("| ")][1:]  # no header
-        return [[c.strip() for c in line.strip("|").split("|")] for line in table]
+        return table_rows(out, section)
 
     api = rows("## 1. API path")
     assert [r[0] for r in api] == ["1", "2"]
@@ -76,5 +54,5 @@ def test_bench_quick_run(tiny_model, redis_url):
     for target in ("latency at 1 client", "echo engine through the API", "API memory"):
         assert any(line.startswith(("- **PASS** " + target, "- **FAIL** " + target)) for line in out.splitlines()), target
 
-    assert _digest(DOC) == before, "--no-write must not touch docs/benchmarks.md"
+    assert digest(DOC) == before, "--no-write must not touch docs/benchmarks.md"
     print(f"quick benchmark: {took:.0f} s")  # ~30 s on the 2-core dev machine

@@ -4,44 +4,22 @@ expected sections and rows. --no-write: docs/benchmarks-streaming.md is untouche
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 from scripts import stack
+from tests.helpers import digest, run_bench, table_rows
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks-streaming.md"
-
-
-def _digest(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+DOC = stack.ROOT / "docs" / "benchmarks-streaming.md"
 
 
 def test_bench_stream_quick_run(tiny_model, redis_url):
-    before = _digest(DOC)
+    before = digest(DOC)
     started = time.monotonic()
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "bench.stream", "--model", "tiny", "--levels", "1,2", "--duration", "2",
-            "--no-write", "--retries", "0",
-        ],  # fmt: skip
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "REDIS_URL": redis_url},
-        start_new_session=True,
-    )
-    # ~20-35 s expected alone; a machine busy with other work can take several times that. Past
-    # the limit, SIGTERM lets the benchmark stop its worker and API, then SIGKILL ends its group.
-    out, err, ran_over = stack.communicate_or_stop(proc, timeout=240)
-    assert not ran_over, f"bench.stream ran over 240 s\n--- stderr\n{err[-5000:]}"
+    # ~20-35 s expected alone; a machine busy with other work can take several times that.
+    rc, out, err = run_bench("bench.stream", "--model", "tiny", "--levels", "1,2", "--duration", "2",
+                             "--no-write", "--retries", "0", timeout=240, env={"REDIS_URL": redis_url})
     took = time.monotonic() - started
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
+    assert rc == 0, f"exit {rc}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
     for heading in (
         "## Target",
         "## Streaming through the API",
@@ -52,9 +30,7 @@ def test_bench_stream_quick_run(tiny_model, redis_url):
     assert "Command: `python -m bench.stream --model tiny --levels 1,2 --duration 2 --no-write --retries 0`" in out
 
     def rows(section: str) -> list[list[str]]:
-        body = out.split(section, 1)[1].split("\n#", 1)[0]
-        table = [line for line in body.splitlines() if line.startswith("| ")][1:]  # no header
-        return [[c.strip() for c in line.strip("|").split("|")] for line in table]
+        return table_rows(out, section)
 
     streams = rows("## Streaming through the API")
     assert [r[0] for r in streams] == ["1", "2"]
@@ -69,5 +45,5 @@ def test_bench_stream_quick_run(tiny_model, redis_url):
     assert ref[0][0].startswith("prefill") and float(ref[0][1]) > 0
     assert any(line.startswith(("- **PASS** TTFT at 1 stream", "- **FAIL** TTFT at 1 stream")) for line in out.splitlines())
 
-    assert _digest(DOC) == before, "--no-write must not touch docs/benchmarks-streaming.md"
+    assert digest(DOC) == before, "--no-write must not touch docs/benchmarks-streaming.md"
     print(f"quick streaming benchmark: {took:.0f} s")

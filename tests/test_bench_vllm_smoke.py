@@ -7,18 +7,13 @@ Written to a temporary page: docs/benchmarks-vllm.md is untouched."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from scripts import stack
+from tests.helpers import run_bench, table_rows as _rows
 from worker.engines import dtype as dtype_rule
 
-ROOT = Path(__file__).resolve().parent.parent
 LIMIT_S = 600
 OLD_PAGE = """\
 # A page of an earlier version
@@ -38,17 +33,6 @@ Hand-written notes that every run keeps.
 """
 
 
-def _rows(doc: str, section: str) -> list[list[str]]:
-    """The first table after the heading that starts with `section`, without its header."""
-    table = []
-    for line in doc.split("\n" + section, 1)[1].splitlines()[1:]:
-        if line.startswith("|"):
-            table.append([c.strip() for c in line.strip("|").split("|")])
-        elif table or line.startswith("#"):
-            break
-    return table[2:]
-
-
 @pytest.mark.timeout(LIMIT_S + 120)  # above ours, which includes the grace for stopping
 def test_bench_vllm_quick_run(tiny_model, redis_url, tmp_path):
     page = tmp_path / "benchmarks-vllm.md"
@@ -56,20 +40,9 @@ def test_bench_vllm_quick_run(tiny_model, redis_url, tmp_path):
     started = time.monotonic()
     argv = ["--model", "tiny", "--levels", "1,10", "--duration", "2", "--retries", "0",
             "--dtypes", "hf=measure,vllm=auto,server=auto", "--probe-duration", "1", "--quiet-wait", "0", "--out", str(page)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.vllm", *argv],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "REDIS_URL": redis_url},
-        start_new_session=True,
-    )
-    # ~3 min alone (two vLLM starts of 20-60 s); past the limit, SIGTERM lets the benchmark stop
-    # what it started, then SIGKILL ends its group.
-    out, err, ran_over = stack.communicate_or_stop(proc, timeout=LIMIT_S)
-    assert not ran_over, f"bench.vllm ran over {LIMIT_S} s\n--- stderr\n{err[-5000:]}"
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
+    # ~3 min alone (two vLLM starts of 20-60 s).
+    rc, out, err = run_bench("bench.vllm", *argv, timeout=LIMIT_S, env={"REDIS_URL": redis_url})
+    assert rc == 0, f"exit {rc}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
     doc = page.read_text()
     assert "Command: `python -m bench.vllm " + " ".join(argv[:-1]) in doc
 

@@ -5,51 +5,26 @@ docs/reliability.md is untouched."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from scripts import stack
+from tests.helpers import run_bench, table_rows as _rows
 
-ROOT = Path(__file__).resolve().parent.parent
 LIMIT_S = 420
-
-
-def _rows(doc: str, section: str) -> list[list[str]]:
-    """The first table after `section`, without its header."""
-    table = []
-    for line in doc.split(section, 1)[1].splitlines():
-        if line.startswith("|"):
-            table.append([c.strip() for c in line.strip("|").split("|")])
-        elif table:
-            break
-    return table[2:]
 
 
 @pytest.mark.timeout(LIMIT_S + 120)  # above ours, which includes the grace for stopping
 def test_reliability_quick_run(tiny_model, tmp_path):
     page = tmp_path / "reliability.md"
     started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.reliability", "--runs", "1", "--quick", "--out", str(page)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    # ~2 min alone on 2 cores. Past the limit, SIGTERM lets it stop what it started, then
-    # SIGKILL ends its group.
-    out, err, ran_over = stack.communicate_or_stop(proc, timeout=LIMIT_S)
-    assert not ran_over, f"bench.reliability ran over {LIMIT_S} s\n--- stderr\n{err[-5000:]}"
+    # ~2 min alone on 2 cores.
+    rc, out, err = run_bench("bench.reliability", "--runs", "1", "--quick", "--out", str(page), timeout=LIMIT_S)
     doc = page.read_text() if page.exists() else ""
     # Exit 1 is a verdict that failed, written into the page: the Redis-restart scenario can
     # still lose a job or the worker (kombu's BRPOP-then-unacked window and its restore on
     # channel close; issue 7 stays open for them). The harness itself must work either way.
-    assert proc.returncode in (0, 1), f"exit {proc.returncode}\n--- page\n{doc[:6000]}\n--- stderr\n{err[-5000:]}"
+    assert rc in (0, 1), f"exit {rc}\n--- page\n{doc[:6000]}\n--- stderr\n{err[-5000:]}"
 
     assert f"- Command: `python -m bench.reliability --runs 1 --quick --out {page}`" in doc
     assert "## Verdict" in doc
