@@ -32,8 +32,9 @@ class Settings(BaseSettings):
         "(priority > 0: batch lines) take one decode step in this many; 1: every step",
     )
     reserved_slots: int | None = Field(
-        None, ge=0, le=1024, description="hf engine: of GENQ_MAX_BATCH_SIZE, the slots that only foreground "
-        "jobs (priority <= 0) fill, never background ones (batch lines); default: an eighth",
+        None, ge=0, le=1024, description="hf engine: jobs a worker takes beyond GENQ_MAX_BATCH_SIZE, so "
+        "that foreground jobs (priority <= 0) reach it while batch lines fill every row (they then "
+        "preempt a line); the batch driver leaves half of them free of lines; default: an eighth",
     )
     vllm_enforce_eager: bool = Field(True, description="no graph capture/compilation (CPU: no gain)")
     vllm_kv_cache_gib: int = Field(1, ge=1, description="vLLM's KV cache on CPU, GiB")

@@ -22,7 +22,7 @@ class WorkerInfo(BaseModel):
     model: str
     engine: str
     capacity: int
-    reserved: int = Field(0, description="of its capacity, slots only foreground jobs fill (never batch lines)")
+    reserved: int = Field(0, description="Celery threads beyond its capacity, kept for foreground jobs (batch lines fill half at most)")
     host: str
     pid: int
     started: float

@@ -370,35 +370,46 @@ def test_background_jobs_sit_steps_out_while_foreground_jobs_run(tiny_model, hf)
         eng.close()
 
 
-def test_reserved_slots_take_foreground_jobs_only(tiny_model, hf):
-    """Of GENQ_MAX_BATCH_SIZE (4), GENQ_RESERVED_SLOTS (1) are for foreground jobs: five
-    background jobs run three at a time, and a foreground job that arrives meanwhile starts at
-    once, beside them, instead of waiting for one of them to finish."""
+def test_a_foreground_job_preempts_a_background_row_which_goes_on_exactly(tiny_model, hf):
+    """Background jobs (batch lines) fill all four rows; a foreground job that arrives takes
+    the row of the one cheapest to take up again (the shortest prompt and output) at once,
+    instead of waiting for one to finish. The preempted job keeps its tokens and, prefilled
+    with them when a row frees, goes on: its text is what it gives without preemption (also
+    with its penalties, which must count the tokens it had), its stream has every token once."""
     tok, generate, _ = hf
     sink = OrderedSink()
     eng = HFEngine(Settings(model=str(tiny_model), max_batch_size=4, reserved_slots=1), sink)
+    pen = dict(presence_penalty=1.5, frequency_penalty=1.5)
     try:
-        assert (eng.capacity, eng.background_capacity, eng.reserved) == (4, 3, 1)
-        background = [job(p, max_new_tokens=40).model_copy(update={"priority": 4}) for p in PROMPTS[:5]]
+        assert (eng.capacity, eng.reserved) == (4, 1)
+        background = [job(p, max_new_tokens=40, **(pen if p == "a" else {})).model_copy(update={"priority": 4})
+                      for p in PROMPTS[:4]]  # fmt: skip
         back = [eng.submit(s) for s in background]
         deadline = time.monotonic() + 60
-        while sum(sink.count(s.id) > 0 for s in background) < 3:
+        while min(sink.count(s.id) for s in background) < 3:  # all four run
             assert time.monotonic() < deadline, "the background jobs did not start"
             time.sleep(0.005)
         fore = job(PROMPTS[6], max_new_tokens=8)
         result = eng.submit(fore).result(timeout=60)
         results = [f.result(timeout=120) for f in back]
-        assert result.text == tok.decode(generate(fore.prompt, 8), skip_special_tokens=True)
-        for s, r in zip(background, results):
-            assert r.text == tok.decode(generate(s.prompt, 40), skip_special_tokens=True), s.prompt
-            assert r.batch_size <= 4
-        finals = [i for i, (j, ev) in enumerate(sink.log) if ev.finish is not None]
-        first_final = sink.log[finals[0]][0]
-        assert first_final == fore.id, "the foreground job waited for a background job to finish"
-        # Never more than three background jobs at once: two of them started only after
-        # another background job had finished.
-        starts = {s.id: [j for j, _ in sink.log].index(s.id) for s in background}
-        bg_finals = [i for i in finals if sink.log[i][0] != fore.id]
-        assert sum(start > bg_finals[0] for start in starts.values()) == 2, (starts, bg_finals)
+        alone = eng.submit(job("a", max_new_tokens=40, **pen)).result(timeout=60)
     finally:
         eng.close()
+    assert eng.preemptions == 1
+    assert result.text == tok.decode(generate(fore.prompt, 8), skip_special_tokens=True)
+    finals = [j for j, ev in sink.log if ev.finish is not None]
+    assert finals[0] == fore.id, "the foreground job waited for a background job to finish"
+    preempted = background[1]  # "a": one token of prompt
+    for s, r in zip(background, results):
+        assert r.completion_tokens == 40 and r.batch_size <= 4
+        if s is not preempted:
+            assert r.text == tok.decode(generate(s.prompt, 40), skip_special_tokens=True), s.prompt
+    assert results[1].text == alone.text
+    events = [ev for j, ev in sink.log if j == preempted.id]
+    assert [ev.index for ev in events] == list(range(len(events)))
+    assert "".join(ev.text for ev in events) == results[1].text
+    # It sat out the foreground job's run: none of its events came between the foreground
+    # job's first and last.
+    order = [j for j, _ in sink.log]
+    first, last = order.index(fore.id), len(order) - 1 - order[::-1].index(fore.id)
+    assert preempted.id not in order[first : last + 1]

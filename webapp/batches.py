@@ -29,9 +29,10 @@ a process that dies while holding it only delays its batch). Holding it, a proce
   limits as `/v1/completions`) at priority BATCH_PRIORITY, the least urgent, until the batch
   has `GENQ_BATCH_WINDOW` lines on the queue: a batch of any size costs the broker a bounded
   number of messages, and interactive jobs (priority 0) overtake its waiting lines. While the
-  live workers keep slots for foreground jobs (GENQ_RESERVED_SLOTS, hf engine), the lines of
-  all batches together stay within the slots beside that reserve (`fleet_room`), so that an
-  interactive job finds a free slot at once instead of waiting for a line to finish. A line the
+  live workers keep threads for foreground jobs (GENQ_RESERVED_SLOTS, hf engine), the lines of
+  all batches together stay within the workers' capacity and half that reserve (`fleet_room`),
+  so that an interactive job is taken at once and, preempting a line, runs instead of waiting
+  for a line to finish. A line the
   completions route would refuse, or whose `url` is not the batch's endpoint, becomes an error
   line at once. Each line's jobs are recorded in `pending` in the same Lua call that moves the
   cursor, guarded by the cursor's old value: if the lock was lost meanwhile, the jobs are
@@ -473,14 +474,15 @@ class BatchDriver:
 
     def fleet_room(self, active) -> dict[str, int]:
         """Per model: how many more lines (of all batches together) its live workers may hold,
-        queued or running, so that their reserved slots stay free for interactive jobs: per
-        worker its capacity less its reserve (GENQ_RESERVED_SLOTS), plus half the reserve as
-        lines waiting on the worker to step in at once. Only models some live worker keeps a
-        reserve for: the others have no limit but each batch's window."""
+        queued or running, so that an interactive job always finds a worker thread free to take
+        it (it then preempts a line: worker/engines/hf.py): per worker its capacity, plus half
+        its reserve (GENQ_RESERVED_SLOTS, the threads it runs beyond its capacity) as lines
+        waiting on the worker to step in at once. Only models some live worker keeps a reserve
+        for: the others have no limit but each batch's window."""
         workers = self.service.registry.live()
         room: dict[str, int] = {}
         for model in {w.model for w in workers if w.reserved}:
-            room[model] = sum(w.capacity - w.reserved + w.reserved // 2 for w in workers if w.model == model)
+            room[model] = sum(w.capacity + w.reserved // 2 for w in workers if w.model == model)
         if not room:
             return room
         pipe = self.r.pipeline(transaction=False)

@@ -150,7 +150,7 @@ def main() -> None:
         [
             "worker",
             "--pool=threads",
-            f"--concurrency={engine.capacity}",
+            f"--concurrency={engine.capacity + engine.reserved}",
             f"--queues={queue}",
             f"--hostname={name}",
             f"--loglevel={os.environ.get('GENQ_LOG_LEVEL', 'INFO')}",

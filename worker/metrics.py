@@ -96,6 +96,9 @@ class WorkerMetrics:
                              registry=registry).labels(model, engine)
         self.batch = hist("genq:batch_size", "Jobs decoded together, per decode step (hf engine).",
                           BATCH_BUCKETS)
+        self.preemptions = counter("genq:num_preemptions", "Background jobs (batch lines) that gave "
+                                   "their row up to a foreground job and were taken up again later "
+                                   "(hf engine).")
 
     def success(self, reason: str) -> Counter:
         return self._success.labels(self.model, self.engine, reason)
@@ -217,3 +220,8 @@ def decode_step(batch: int) -> None:
     if m is not None:
         m.batch.observe(batch)
 
+
+def preempted(n: int) -> None:
+    m = _metrics
+    if m is not None and n:
+        m.preemptions.inc(n)

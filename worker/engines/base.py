@@ -47,8 +47,10 @@ class DirectSink:
 class Engine(abc.ABC):
     name: str
     capacity: int
-    # Of `capacity`, the slots that only foreground jobs (priority <= 0) fill (the hf engine's
-    # GENQ_RESERVED_SLOTS): the batch driver keeps batch lines out of them.
+    # Jobs taken beyond `capacity` (the hf engine's GENQ_RESERVED_SLOTS): the worker runs
+    # capacity + reserved Celery threads, and the batch driver keeps batch lines out of
+    # (half of) the extra ones, so that a foreground job can reach an engine whose rows batch
+    # lines fill (the hf engine then preempts one).
     reserved: int = 0
     model: str
     max_model_len: int | None = None

@@ -65,8 +65,10 @@ class _Seq:
     lp_unsent: Logprobs | None = None
     lp_offset: int = 0
     # A background job (priority > 0: batch lines) sits decode steps out while foreground jobs
-    # run (HFEngine._decode).
+    # run (HFEngine._decode), and gives its row up to one that finds the batch full
+    # (HFEngine._preempt): `preempted` times so far.
     background: bool = False
+    preempted: int = 0
 
     @property
     def holdback(self) -> int:
@@ -81,14 +83,14 @@ class HFEngine(Engine):
     def __init__(self, settings: Settings, sink: Sink | None = None):
         self.sink = sink or DirectSink()
         self.model = settings.served_model
-        # Background jobs (priority > 0: batch lines) fill at most `background_capacity` rows;
-        # the reserved ones are for foreground jobs only, so that an interactive request does
-        # not wait for a batch line to finish (the batch driver keeps the fleet's batch lines
-        # within what the workers run beside that reserve: webapp/batches.py).
+        # Background jobs (priority > 0: batch lines) may fill every row. A foreground job
+        # that finds the batch full takes a background row's place at once (`_preempt`): an
+        # interactive request does not wait for a batch line to finish. It reaches the engine
+        # through one of `reserved` Celery threads beyond the batch's (the batch driver leaves
+        # them free of lines: webapp/batches.py).
         self.capacity = settings.max_batch_size
-        reserved = settings.reserved_slots if settings.reserved_slots is not None else self.capacity // 8
-        self.background_capacity = max(1, self.capacity - reserved)
-        self.reserved = self.capacity - self.background_capacity
+        self.reserved = settings.reserved_slots if settings.reserved_slots is not None else self.capacity // 8
+        self.preemptions = 0
         self.background_every = settings.background_step_every
         self.default_max_new = settings.default_max_new_tokens
         self.job_timeout = settings.job_timeout
@@ -197,9 +199,10 @@ class HFEngine(Engine):
                 seq.future.set_exception(GenerationError("engine_closed", "the worker stopped"))
 
     def _take(self) -> list[_Seq]:
-        """Jobs to admit now, foreground ones first: as many as there are free rows, and
-        background ones only while fewer than `background_capacity` rows are background; the
-        rest wait for the next step. Blocks (briefly) only while nothing runs or waits."""
+        """Jobs to admit now, foreground ones first, as many as there are free rows; foreground
+        jobs that find no free row take those of background rows (`_preempt`). The rest wait
+        for the next step, preempted rows first among the background. Blocks (briefly) only
+        while nothing runs or waits."""
         pending, self._waiting = self._waiting, []
         if not self._seqs and not pending:
             try:
@@ -218,16 +221,33 @@ class HFEngine(Engine):
                 break
             pending.append(item)
         room = self.capacity - len(self._seqs)
-        background_room = self.background_capacity - (len(self._seqs) - self._fg)
+        short = sum(not s.background for s in pending) - room
+        if short > 0 and self._fg < len(self._seqs):
+            pending[:0] = self._preempt(short)
+            room = self.capacity - len(self._seqs)
         new: list[_Seq] = []
         for seq in sorted(pending, key=lambda s: s.background):
-            if room > 0 and (not seq.background or background_room > 0):
+            if room > 0:
                 new.append(seq)
                 room -= 1
-                background_room -= seq.background
             else:
                 self._waiting.append(seq)
         return new
+
+    def _preempt(self, n: int) -> list[_Seq]:
+        """Take up to `n` background rows out of the batch, those cheapest to take up again (the
+        fewest tokens of prompt and output). They keep their tokens, text and sampling state;
+        `_admit` prefills their prompt and tokens so far when a row frees, and they go on
+        where they were (preemption by recompute, as vLLM's)."""
+        rows = range(self._fg, len(self._seqs))
+        out = set(sorted(rows, key=lambda i: len(self._seqs[i].prompt_ids) + len(self._seqs[i].out))[:n])
+        taken = [self._seqs[i] for i in sorted(out)]
+        self._select([i for i in range(len(self._seqs)) if i not in out])
+        for seq in taken:
+            seq.preempted += 1
+        self.preemptions += len(taken)
+        metrics.preempted(len(taken))
+        return taken
 
     def _step(self, new: list[_Seq]) -> None:
         self._reap(new)
@@ -268,19 +288,22 @@ class HFEngine(Engine):
                 self._select(keep)
 
     def _admit(self, new: list[_Seq]) -> None:
-        """Prefill the new jobs together and join them to the running batch."""
-        width = max(len(s.prompt_ids) for s in new)
+        """Prefill the new jobs together and join them to the running batch. A preempted job
+        is prefilled with its prompt and the tokens it had: its next token comes out."""
+        fed = [s.prompt_ids + s.out for s in new]
+        width = max(map(len, fed))
         ids = torch.full((len(new), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(new), width), dtype=torch.long)
-        for row, seq in enumerate(new):
-            n = len(seq.prompt_ids)
-            ids[row, width - n :] = torch.tensor(seq.prompt_ids)
+        for row, tokens in enumerate(fed):
+            n = len(tokens)
+            ids[row, width - n :] = torch.tensor(tokens)
             mask[row, width - n :] = 1
         out = self.lm(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
         raw = out.logits[:, -1, :]
         procs = RowProcessors.build(
-            [s.spec.params for s in new], [s.prompt_ids for s in new],
+            [s.spec.params for s in new], fed,
             [min(s.spec.params.min_tokens, s.max_new) for s in new], self.eos, raw.shape[-1],
+            outputs=[s.out for s in new],
         )  # fmt: skip
         first = self._choose(new, raw, procs)
         lps = self._logprobs(new, raw, first, [i for i, s in enumerate(new) if s.lp is not None])

@@ -58,9 +58,13 @@ class RowProcessors:
         min_tokens: Sequence[int],
         eos: int | None,
         vocab: int,
+        outputs: Sequence[list[int]] | None = None,
     ) -> "RowProcessors | None":
-        """Rows for newly admitted sequences (before their first token); None if none of them
-        needs any processing. `min_tokens`: each row's, already capped at its max_new."""
+        """Rows for newly admitted sequences; None if none of them needs any processing.
+        `prompts`: the tokens each row's prefill fed (for a repetition penalty); `outputs`: the
+        tokens each row generated already (a preempted row taken up again: its prompts include
+        them), for the presence and frequency penalties and min_tokens. `min_tokens`: each
+        row's, already capped at its max_new."""
         if not any(needs_processing(p) for p in params):
             return None
         rows = len(params)
@@ -78,6 +82,11 @@ class RowProcessors:
                     procs.seen[row, torch.tensor(ids)] = True
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             procs.counts = torch.zeros(rows, vocab, dtype=torch.float32)
+        if outputs is not None:
+            procs.produced = torch.tensor([len(o) for o in outputs], dtype=torch.long)
+            for row, out in enumerate(outputs):
+                if procs.counts is not None and out:
+                    procs.counts[row] = torch.bincount(torch.tensor(out), minlength=vocab)[:vocab].float()
         if any(min_tokens):
             procs.stops = torch.zeros(rows, vocab, dtype=torch.bool)
             for row, (p, m) in enumerate(zip(params, min_tokens)):
