@@ -66,9 +66,8 @@ class _Seq:
     lp_offset: int = 0
     # A background job (priority > 0: batch lines) sits decode steps out while foreground jobs
     # run (HFEngine._decode), and gives its row up to one that finds the batch full
-    # (HFEngine._preempt): `preempted` times so far.
+    # (HFEngine._preempt).
     background: bool = False
-    preempted: int = 0
 
     @property
     def holdback(self) -> int:
@@ -243,8 +242,6 @@ class HFEngine(Engine):
         out = set(sorted(rows, key=lambda i: len(self._seqs[i].prompt_ids) + len(self._seqs[i].out))[:n])
         taken = [self._seqs[i] for i in sorted(out)]
         self._select([i for i in range(len(self._seqs)) if i not in out])
-        for seq in taken:
-            seq.preempted += 1
         self.preemptions += len(taken)
         metrics.preempted(len(taken))
         return taken
