@@ -9,8 +9,9 @@ Why each setting:
 - visibility_timeout above the longest job (set for the broker and the result backend, the two
   places Celery reads it): with Redis, an unacknowledged message becomes visible again after
   this long, so a shorter value would run a slow job twice.
-- prefetch multiplier 1: the worker runs one thread per batch slot of its engine
-  (concurrency == capacity), so it reserves exactly as many jobs as it can batch and leaves
+- prefetch multiplier 1: the worker runs one thread per batch slot of its engine, plus the hf
+  engine's GENQ_RESERVED_SLOTS (concurrency == capacity + reserve), so it reserves as many
+  jobs as it can batch and a few for foreground jobs to preempt batch lines with, and leaves
   the rest in Redis for other workers, instead of Celery's default of four per thread.
 - result_expires: results live as long as the job records that point at them.
 - running jobs are not cancelled when the broker connection drops
@@ -38,7 +39,7 @@ Why each setting:
   one would misread the bindings a durable Redis kept from an earlier run.
   `queue_order_strategy` orders queues, not steps (a worker consumes one queue: it does not
   matter; "priority" keeps the order fixed). Prefetched messages have left Redis and bypass
-  priorities: prefetch stays at the engine's capacity (above). The recovery path
+  priorities: prefetch stays at the engine's capacity and reserve (above). The recovery path
   (worker/recovery.py) restores a message into the sub-queue its own priority names.
 """
 

@@ -39,9 +39,9 @@ DEFAULT_BEAT = {"GENQ_HEARTBEAT_INTERVAL": "2", "GENQ_HEARTBEAT_TTL": "10"}
 
 @pytest.fixture(scope="module")
 def bstack(make_module_stack):
-    # No reserved slots: the driver then feeds each batch up to its window (with a reserve it
-    # holds no more lines than the workers run beside it, tests/test_batch_reserve.py), so that
-    # lines wait on the queue for interactive jobs to overtake.
+    # No reserve: the driver then feeds each batch up to its window (with a reserve it holds no
+    # more lines than the workers' rows and half their reserve, tests/test_batch_reserve.py), so
+    # that lines wait on the queue for interactive jobs to overtake.
     s = make_module_stack(
         GENQ_API_KEYS=f"{ALICE},{BOB}", GENQ_MAX_BATCH_SIZE=str(CAPACITY), GENQ_BATCH_WINDOW=str(WINDOW),
         GENQ_API_WORKERS="2", GENQ_MAX_FILE_BYTES=str(MAX_FILE), GENQ_RESERVED_SLOTS="0",
