@@ -16,6 +16,21 @@ import requests
 from scripts import stack as stackmod
 
 
+
+# Prompts of every shape the engine tests feed the tiny model: short, one character, long,
+# code, repeated, non-ASCII.
+ENGINE_PROMPTS = [
+    "Hello, my name is",
+    "a",
+    "The quick brown fox jumps over the lazy dog, and then it jumps back over it again",
+    "import os\nimport sys\n",
+    "x" * 40,
+    "Deep learning",
+    "¿Dónde está la biblioteca? 图书馆在哪里",
+    "1 2 3 4 5",
+]
+
+
 def sse_events(resp: requests.Response, limit: int | None = None) -> list[dict]:
     """Parse SSE events (id, event, data) until the stream ends or `limit` events arrived."""
     events, current = [], {}

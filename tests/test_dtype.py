@@ -55,7 +55,7 @@ def test_bfloat16_keeps_to_the_stated_tolerance(tiny_model, reference):
 
     from tasks.config import Settings
     from tasks.schemas import JobSpec, SamplingParams
-    from tests.test_engine import PROMPTS
+    from tests.helpers import ENGINE_PROMPTS as PROMPTS
     from worker.engines.hf import HFEngine
 
     eng = HFEngine(Settings(model=str(tiny_model), model_name="tiny", dtype="bfloat16", max_batch_size=16))

@@ -9,6 +9,7 @@ import pytest
 
 from tasks.config import Settings
 from tasks.schemas import JobSpec, SamplingParams
+from tests.helpers import ENGINE_PROMPTS as PROMPTS
 from worker.engines.base import GenerationError, JobCancelled
 from worker.engines.hf import HFEngine
 
@@ -27,16 +28,6 @@ def job(prompt: str, **params) -> JobSpec:
 
 job.n = 0
 
-PROMPTS = [
-    "Hello, my name is",
-    "a",
-    "The quick brown fox jumps over the lazy dog, and then it jumps back over it again",
-    "import os\nimport sys\n",
-    "x" * 40,
-    "Deep learning",
-    "¿Dónde está la biblioteca? 图书馆在哪里",
-    "1 2 3 4 5",
-]
 
 
 def test_mixed_lengths_and_staggered_arrivals_match_generate(engine, reference):
