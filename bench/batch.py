@@ -32,7 +32,7 @@ from pathlib import Path
 import redis
 import requests
 
-from bench.common import prompt
+from bench.common import cpu_model, prompt
 from scripts import stack
 from worker import devmodels
 
@@ -41,15 +41,6 @@ def _sample_memory(r: redis.Redis, stop: threading.Event, out: list[int]) -> Non
     while not stop.is_set():
         out.append(int(r.info("memory")["used_memory"]))
         stop.wait(0.1)
-
-
-def _cpu() -> str:
-    """The CPU model and whether it has native bf16 (AMX / AVX512-BF16)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "?")
-    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
-    native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
-    return f"{model} ({', '.join(native) or 'no native bf16'})"
 
 
 def measure(args) -> dict:
@@ -150,7 +141,7 @@ def measure(args) -> dict:
         return {
             "lines": args.lines, "clients": args.clients, "shape": args.shape, "max_tokens": args.max_tokens,
             "worker_batch_size": args.batch_size, "reserved_slots": args.reserved, "batch_window": args.window,
-            "batch_status": batch["status"], "cpu": _cpu(), "load_before": load_before,
+            "batch_status": batch["status"], "cpu": cpu_model(), "load_before": load_before,
             "batch_request_counts": batch["request_counts"],
             "batch_s": round(batch_s, 2), "batch_lines_per_s": round(args.lines / batch_s, 2),
             "completions_s": round(single_s, 2), "completions_lines_per_s": round(args.lines / single_s, 2),

@@ -439,6 +439,16 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
+def cpu_model() -> str:
+    """The CPU model and its features that decide the fastest kernels and dtype here."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "?")
+    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
+    native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{model} ({simd}, {', '.join(native) or 'no native bf16'})"
+
+
 def machine_facts() -> dict:
     import psutil
 

@@ -3,11 +3,16 @@ different torch thread counts, interleaved step by step (so that load from the r
 machine falls on every variant alike)::
 
     python -m bench.decode_step --model .models/opt-125m --batches 1,8,32 --steps 24 [--threads 1,2]
+    python -m bench.decode_step --model .models/opt-125m --batches 1,4,10,32,64 --steps 16 --packed
 
 - cache: transformers' DynamicCache (concatenated per layer at every step, as the engine did
   before) against worker/engines/kvcache.SlotKV (written in place), same prompt (8 random
   tokens per row), greedy; the chosen tokens must be identical. Median step time of each and
   the median of the per-step ratios.
+- packed (with --packed, instead of the cache comparison): the same SlotKV decode step with
+  PyTorch's `nn.Linear` and with the linears packed for oneDNN (worker/engines/packed.py), two
+  copies of the model, interleaved; greedy tokens must be identical. Also one prefill of a
+  quarter of the batch's rows (6 tokens each), as admission runs it.
 - threads (with --threads): the same forward (batch B, one token, no cache) at each thread
   count in turn.
 """
@@ -28,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", default="", help="comma-separated thread counts to compare")
+    ap.add_argument("--packed", action="store_true", help="nn.Linear against oneDNN-packed linears")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
+    if args.packed:
+        return packed(args)
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -92,6 +101,63 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(default)
             print(f"threads batch {b:3d}: " + ", ".join(f"{n} thread(s) {median(t) * 1e3:7.1f} ms"
                                                       for n, t in times.items()), flush=True)
+    return 0
+
+
+def packed(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from bench.common import cpu_model
+    from worker.engines.kvcache import SlotKV
+    from worker.engines.packed import pack
+
+    hf_logging.disable_progress_bar()
+    dtype = getattr(torch, args.dtype)
+    plain = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    fast = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}, {args.dtype}; "
+          f"linear layers: {pack(fast)}")
+    cfg = plain.config
+    heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    print("| batch | nn.Linear ms/step | packed ms/step | speedup (median of per-step ratios) | "
+          "prefill rows x 6 tokens | nn.Linear ms | packed ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    with torch.inference_mode():
+        for b in [int(x) for x in args.batches.split(",")]:
+            torch.manual_seed(b)
+            ids = torch.randint(3, cfg.vocab_size - 100, (b, 8))
+            mask = torch.ones(b, 8, dtype=torch.long)
+            state = {}
+            for name, lm in (("plain", plain), ("packed", fast)):
+                out = lm(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+                kv = SlotKV(cfg.num_hidden_layers, heads, head_dim, dtype, b)
+                kv.append(out.past_key_values, mask)
+                state[name] = {"lm": lm, "kv": kv, "next": out.logits[:, -1].argmax(-1, keepdim=True), "t": []}
+            for i in range(args.steps):
+                for name in ("plain", "packed") if i % 2 == 0 else ("packed", "plain"):
+                    st = state[name]
+                    t0 = time.perf_counter()
+                    o = st["lm"](input_ids=st["next"], attention_mask=st["kv"].step_mask(),
+                                 past_key_values=st["kv"].cache, use_cache=True)
+                    st["kv"].advance()
+                    st["next"] = o.logits[:, -1].argmax(-1, keepdim=True)
+                    st["t"].append(time.perf_counter() - t0)
+                if not torch.equal(state["plain"]["next"], state["packed"]["next"]):
+                    raise SystemExit(f"batch {b}: packed linears chose different tokens at step {i}")
+            rows = max(1, b // 4)
+            pre = {"plain": [], "packed": []}
+            for i in range(max(4, args.steps // 2)):
+                for name in ("plain", "packed") if i % 2 == 0 else ("packed", "plain"):
+                    t0 = time.perf_counter()
+                    state[name]["lm"](input_ids=ids[:rows, :6], attention_mask=mask[:rows, :6], use_cache=True,
+                                      logits_to_keep=1)
+                    pre[name].append(time.perf_counter() - t0)
+            a, p = state["plain"]["t"], state["packed"]["t"]
+            ratio = median([x / y for x, y in zip(a, p)])
+            print(f"| {b} | {median(a) * 1e3:.1f} | {median(p) * 1e3:.1f} | {ratio:.2f}x | {rows} | "
+                  f"{median(pre['plain']) * 1e3:.1f} | {median(pre['packed']) * 1e3:.1f} |", flush=True)
     return 0
 
 

@@ -27,6 +27,10 @@ class Settings(BaseSettings):
     torch_threads: int = Field(
         0, ge=0, description="the hf engine's torch (OpenMP) threads; 0: torch's default, one per core"
     )
+    packed_linears: bool = Field(
+        True, description="hf engine: linear layers through oneDNN with weights packed at load "
+        "(worker/engines/packed.py); false: PyTorch's nn.Linear",
+    )
     background_step_every: int = Field(
         4, ge=1, description="hf engine: while foreground jobs (priority <= 0) run, background jobs "
         "(priority > 0: batch lines) take one decode step in this many; 1: every step",

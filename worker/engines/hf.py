@@ -32,6 +32,7 @@ from tasks.config import Settings
 from tasks.schemas import GenerationResult, JobSpec, Logprobs
 from tasks.streams import TokenEvent
 from worker import metrics
+from worker.engines import packed
 from worker.engines.base import DirectSink, Engine, GenerationError, JobCancelled, Resolved, Sink
 from worker.engines.dtype import resolve as resolve_dtype
 from worker.engines.kvcache import SlotKV
@@ -101,6 +102,8 @@ class HFEngine(Engine):
         dtype, why = resolve_dtype(settings.dtype)
         log.info("weights in %s (%s)", dtype, why)
         self.lm = AutoModelForCausalLM.from_pretrained(settings.model, dtype=getattr(torch, dtype)).eval()
+        if settings.packed_linears:
+            log.info("linear layers: %s", packed.pack(self.lm))
         cfg = self.lm.config
         self.max_model_len = getattr(cfg, "max_position_embeddings", None)
         self.eos = self.tok.eos_token_id if self.tok.eos_token_id is not None else cfg.eos_token_id

@@ -1,0 +1,61 @@
+"""GENQ_PACKED_LINEARS: the hf engine's linear layers through oneDNN with packed weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from worker.engines import packed
+
+
+def load(path, dtype=torch.float32):
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def linears(model) -> list[str]:
+    return [name for name, m in model.named_modules() if type(m) is torch.nn.Linear]
+
+
+def test_packed_layers_compute_what_pytorchs_did(tiny_model):
+    plain, fast = load(tiny_model), load(tiny_model)
+    assert linears(plain), "the checkpoint has linear layers to pack"
+    assert packed.pack(fast) == f"{len(linears(plain))} packed for oneDNN"
+    assert linears(fast) == []
+    assert isinstance(fast.lm_head, packed.PackedLinear)
+    torch.manual_seed(0)
+    ids = torch.randint(3, plain.config.vocab_size, (3, 7))
+    with torch.inference_mode():
+        for rows in (1, 3):  # PACK_ROWS is only a hint: any number of rows works
+            a, b = plain(input_ids=ids[:rows]).logits, fast(input_ids=ids[:rows]).logits
+            assert a.shape == b.shape
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+        # A different result would show: packing must not be an identity on some other weight.
+        fast.lm_head.packed = torch.ops.mkldnn._reorder_linear_weight(
+            torch.zeros(fast.lm_head.out_features, fast.lm_head.in_features), packed.PACK_ROWS)
+        assert not torch.allclose(plain(input_ids=ids).logits, fast(input_ids=ids).logits)
+
+
+def test_a_dtype_onednn_cannot_pack_here_keeps_pytorchs_layers(tiny_model):
+    model = load(tiny_model, torch.bfloat16)
+    before = linears(model)
+    said = packed.pack(model)
+    if said.startswith("PyTorch's"):  # bf16 needs AVX-512 (or AVX-NE-CONVERT) in oneDNN
+        assert "cannot pack" in said and linears(model) == before
+    else:
+        assert said == f"{len(before)} packed for oneDNN" and linears(model) == []
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_the_engine_packs_as_set(tiny_model, caplog, setting):
+    from tasks.config import Settings
+    from worker.engines.hf import HFEngine
+
+    with caplog.at_level("INFO", logger="worker.engines.hf"):
+        eng = HFEngine(Settings(model=str(tiny_model), dtype="float32", max_batch_size=2, packed_linears=setting))
+    try:
+        assert isinstance(eng.lm.lm_head, packed.PackedLinear) is setting
+        assert ("linear layers: " in caplog.text) is setting
+    finally:
+        eng.close()

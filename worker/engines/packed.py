@@ -1,0 +1,60 @@
+"""The model's linear layers through oneDNN with weights packed once, at load.
+
+PyTorch's `nn.Linear` on a CPU calls MKL's GEMM with the weight as stored (`[out, in]`,
+transposed on the fly) and picks a kernel per call. For the shapes a decode step has (a few to
+a few dozen rows against a large weight) that kernel is slow and erratic: the 125M OPT's output
+projection (50,272 x 768) takes 40-50 ms at 4-32 rows on a 2-core AMD EPYC with AVX2, against
+13-15 ms at 1 row, so a batch of 10 paid 3x the weight's cost. oneDNN with the weight reordered
+once into its blocked layout (`mkldnn._reorder_linear_weight`, what torch.compile's CPU
+"freezing" does, and vLLM's CPU backend with its own oneDNN GEMMs) runs the same product at
+12-25 ms there: see `python -m bench.decode_step --packed` and docs/benchmarks.md.
+
+`pack(model)` replaces every `nn.Linear` of the model by a `PackedLinear` holding the
+packed weight (the original weight is freed, except where another module shares it: OPT's
+output projection is tied to its token embeddings, which keep theirs). The results agree with
+`nn.Linear`'s to float rounding (a different summation order), not bit for bit; greedy tokens
+through the engine equal `model.generate`'s on the test prompts (tests/test_e2e.py,
+tests/test_engine.py). `GENQ_PACKED_LINEARS=false` keeps PyTorch's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The row count oneDNN packs the weights for. Any count works with the packed weight; this one
+# measured best across 1-64 rows (bench.decode_step).
+PACK_ROWS = 64
+
+
+class PackedLinear(torch.nn.Module):
+    def __init__(self, linear: torch.nn.Linear, rows: int = PACK_ROWS):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
+        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed"
+
+
+def pack(model: torch.nn.Module, rows: int = PACK_ROWS) -> str:
+    """Replace every `nn.Linear` in `model` by a `PackedLinear`, all or none; says what it did
+    (for the worker's log). Where oneDNN cannot pack the weights' dtype on this CPU (bfloat16
+    without AVX-512), the model keeps PyTorch's linears."""
+    if not torch.backends.mkldnn.is_available():
+        return "PyTorch's (this PyTorch has no oneDNN)"
+    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is torch.nn.Linear]
+    with torch.no_grad():
+        for i, (parent, name, child) in enumerate(found):
+            try:
+                linear = PackedLinear(child, rows)
+            except RuntimeError as exc:  # "bf16 path needs the cpu support avx_ne_convert or ..."
+                if i:
+                    raise
+                return f"PyTorch's (oneDNN cannot pack them here: {exc})"
+            setattr(parent, name, linear)  # one at a time: the unpacked weight goes at once
+    return f"{len(found)} packed for oneDNN"
