@@ -45,9 +45,13 @@ Why each setting:
 
 from __future__ import annotations
 
+import base64
+import json
+import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from celery import Celery
+from celery import Celery, signals
 
 from tasks.backend import backend_url
 from tasks.config import Settings, get_settings, queue_for
@@ -93,21 +97,94 @@ def broker_priority(priority: int) -> int:
     -4 .. 4 become 0 .. 8, the default 0 becomes 4."""
     return min(max(priority, PRIORITY_MIN), PRIORITY_MAX) - PRIORITY_MIN
 
+def _argsrepr(spec: JobSpec) -> str:
+    # Logs and monitoring name the job, never its prompt (user data).
+    return f"job {spec.id}" + (f" of {spec.owner}" if spec.owner else "")
+
+
+def _expires(spec: JobSpec) -> datetime | None:
+    # A worker that receives the message after the deadline drops it (the job ends expired,
+    # worker/tasks.py), whatever its pool.
+    return None if spec.deadline is None else datetime.fromtimestamp(spec.deadline, timezone.utc)
+
+
 def publish_job(app: Celery, spec: JobSpec, queue: str) -> None:
-    """Put a job's message on its queue: the API when it accepts a job, a worker when it
-    republishes one whose message was lost (worker/recovery.py). Raises what kombu raises."""
-    # argsrepr: logs and monitoring name the job, never its prompt (user data).
-    # expires: a worker that receives the message after the deadline drops it (the job
-    # ends expired, worker/tasks.py), whatever its pool.
+    """Put a job's message on its queue through Celery (`send_task`): a worker when it
+    republishes a job whose message was lost (worker/recovery.py), and the API when task events
+    are on (Flower wants its task-sent event). Raises what kombu raises."""
     app.send_task(
         GENERATE_TASK,
         args=[spec.model_dump(mode="json")],
         task_id=spec.id,
         queue=queue,
-        argsrepr=f"job {spec.id}" + (f" of {spec.owner}" if spec.owner else ""),
+        argsrepr=_argsrepr(spec),
         priority=broker_priority(spec.priority),
-        expires=None if spec.deadline is None else datetime.fromtimestamp(spec.deadline, timezone.utc),
+        expires=_expires(spec),
     )
+
+
+def queue_key(queue: str, priority: int) -> str:
+    """The Redis list kombu's transport keeps a queue's messages of one API priority in."""
+    step = broker_priority(priority)
+    return queue if step == 0 else f"{queue}{BROKER_SEP}{step}"
+
+
+@dataclass
+class JobMessage:
+    """A job's message as kombu's Redis transport stores it: `payload`, LPUSHed onto `key`."""
+
+    key: str
+    payload: str
+    queue: str
+    headers: dict
+    body: tuple
+
+    def published(self) -> None:
+        """Celery's `after_task_publish` signal, as `send_task` sends it once LPUSH is done."""
+        signals.after_task_publish.send(
+            sender=GENERATE_TASK, body=self.body, headers=self.headers, exchange="", routing_key=self.queue
+        )
+
+
+def job_message(app: Celery, spec: JobSpec, queue: str) -> JobMessage:
+    """The message that `publish_job` would LPUSH onto the queue's list, built here instead
+    of through kombu's publish path, so that the API can push it in the Lua call that records
+    the job (tasks/jobs.py `JobStore.create`): one round trip per request instead of two, the
+    job and its message written atomically, and none of kombu's per-publish machinery
+    (producer pool, `ensure` wrappers, declarations: a third of the API's CPU per job,
+    docs/benchmarks.md). The headers come from Celery's own `as_task_v2`; the envelope is
+    kombu's Redis transport format (tests/test_broker_message.py compares both with what
+    `send_task` writes). Celery's `before_task_publish` and `after_task_publish` signals are
+    sent as `send_task` sends them: the first here, the second by `JobMessage.published`."""
+    expires = _expires(spec)
+    args = [spec.model_dump(mode="json")]
+    headers, properties, body, _ = app.amqp.as_task_v2(
+        spec.id, GENERATE_TASK, args=args, expires=expires, reply_to=app.thread_oid,
+        argsrepr=_argsrepr(spec), ignore_result=None,
+    )  # fmt: skip
+    properties["argsrepr"] = headers["argsrepr"]  # send_task passes it on as a property too
+    signals.before_task_publish.send(
+        sender=GENERATE_TASK, body=body, exchange="", routing_key=queue, declare=None,
+        headers=headers, properties=properties, retry_policy=None,
+    )  # fmt: skip
+    properties["delivery_mode"] = 2
+    if expires is not None:
+        ttl = max(0.0, (expires - datetime.now(timezone.utc)).total_seconds())
+        properties["expiration"] = str(int(ttl * 1000))
+    properties.update(
+        delivery_info={"exchange": "", "routing_key": queue},
+        priority=broker_priority(spec.priority),
+        body_encoding="base64",
+        delivery_tag=str(uuid.uuid4()),
+    )  # fmt: skip
+    message = {
+        "body": base64.b64encode(json.dumps(body).encode()).decode(),
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": headers,
+        "properties": properties,
+    }
+    return JobMessage(queue_key(queue, spec.priority), json.dumps(message), queue, headers, body)
 
 
 # How long a worker keeps retrying a write (a result, a job's status) while Redis is away.

@@ -98,7 +98,7 @@ end
 # Returns {the queue's depth before, the owner's count before, 0 created | 1 queue full |
 # 2 owner's quota exceeded}.
 _CREATE = """
-local jobs = #KEYS - 2
+local jobs = tonumber(ARGV[6])
 local cutoff = tonumber(ARGV[3]) - tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff)
 local depth = redis.call('ZCARD', KEYS[1])
@@ -110,12 +110,16 @@ if KEYS[2] ~= '' then
 end
 if depth + jobs > tonumber(ARGV[1]) then return {depth, owned, 1} end
 local n = tonumber(ARGV[4]) * 2
-for i = 3, #KEYS do
-  local base = 5 + (i - 3) * n
-  redis.call('HSET', KEYS[i], unpack(ARGV, base + 1, base + n))
-  redis.call('EXPIRE', KEYS[i], ARGV[2])
+for j = 1, jobs do
+  local key, base = KEYS[2 + j], 6 + (j - 1) * n
+  redis.call('HSET', key, unpack(ARGV, base + 1, base + n))
+  redis.call('EXPIRE', key, ARGV[2])
   redis.call('ZADD', KEYS[1], ARGV[3], ARGV[base + 2])
   if KEYS[2] ~= '' then redis.call('ZADD', KEYS[2], ARGV[3], ARGV[base + 2]) end
+end
+-- With messages: each job's Celery message onto its queue's list, after the jobs are recorded.
+for j = 1, #KEYS - 2 - jobs do
+  redis.call('LPUSH', KEYS[2 + jobs + j], ARGV[6 + jobs * n + j])
 end
 return {depth, owned, 0}
 """
@@ -170,14 +174,22 @@ class JobStore:
         self._succeed = client.register_script(_SUCCEED)
 
     def create(
-        self, specs: list[JobSpec], queue: str, max_depth: int, max_queued: int | None = None
+        self,
+        specs: list[JobSpec],
+        queue: str,
+        max_depth: int,
+        max_queued: int | None = None,
+        messages: list[tuple[str, str]] | None = None,
     ) -> tuple[bool, int]:
         """Record queued jobs, atomically with a look at their queue: unless it already holds
         too many waiting jobs. Returns (created, the queue's depth). All specs share one owner
-        (`specs[0].owner`); past its `max_queued` waiting jobs this raises QuotaExceeded."""
+        (`specs[0].owner`); past its `max_queued` waiting jobs this raises QuotaExceeded.
+        `messages`: each job's broker message as (Redis list, payload)
+        (tasks/celery_app.py `job_message`), pushed in the same call once the jobs are
+        recorded; without them the caller publishes the jobs itself."""
         now = repr(time.time())
         owner = (specs[0].owner if specs else None) or ""
-        args: list = [max_depth, self.ttl, now, 11, "" if max_queued is None else max_queued]
+        args: list = [max_depth, self.ttl, now, 11, "" if max_queued is None else max_queued, len(specs)]
         for spec in specs:
             args += [
                 "id", spec.id,
@@ -193,9 +205,12 @@ class JobStore:
                 # The message's content, to publish it again should the broker lose it.
                 "spec", spec.model_dump_json(),
             ]  # fmt: skip
+        messages = messages or []
+        args += [payload for _, payload in messages]
         owner_set = keys.queued_by(owner) if owner else ""
         depth, owned, refused = self._create(
-            keys=[keys.queued(queue), owner_set, *(keys.job(s.id) for s in specs)], args=args
+            keys=[keys.queued(queue), owner_set, *(keys.job(s.id) for s in specs), *(k for k, _ in messages)],
+            args=args,
         )
         if refused == 2:
             raise QuotaExceeded(owner, owned, max_queued)

@@ -20,7 +20,7 @@ from flask import current_app
 from kombu.exceptions import KombuError
 
 from tasks import keys
-from tasks.celery_app import publish_job
+from tasks.celery_app import job_message, publish_job
 from tasks.config import Settings, queue_for
 from tasks.jobs import RESULT_RAW, JobStore, QuotaExceeded, decode_record
 from tasks.registry import Registry, WorkerInfo
@@ -201,10 +201,15 @@ class JobService:
                     priority=sched.priority, deadline=deadline, owner=owner.name if owner else None)
             for k, p in enumerate(prompts)
         ]
+        # The jobs' messages go onto the queue in the call that records them; with task events
+        # on, through Celery's send_task instead, which sends Flower its task-sent events.
+        direct = not self.settings.celery_events
+        messages = [job_message(self.celery, spec, queue) for spec in specs] if direct else []
         try:
             created, depth = self.store.create(
-                specs, queue, self.settings.max_queue_depth, owner.max_queued if owner else None
-            )
+                specs, queue, self.settings.max_queue_depth, owner.max_queued if owner else None,
+                [(m.key, m.payload) for m in messages],
+            )  # fmt: skip
         except QuotaExceeded as exc:
             raise APIError(
                 429, "quota_exceeded",
@@ -219,8 +224,11 @@ class JobService:
                 f"{depth} jobs are waiting for {model!r}; try again shortly",
                 {"Retry-After": "1"},
             )
-        for spec in specs:
-            self._publish(spec, queue)
+        for message in messages:
+            message.published()
+        if not direct:
+            for spec in specs:
+                self._publish(spec, queue)
         return [s.id for s in specs]
 
     def _publish(self, spec: JobSpec, queue: str) -> None:
