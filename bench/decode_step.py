@@ -4,6 +4,7 @@ machine falls on every variant alike)::
 
     python -m bench.decode_step --model .models/opt-125m --batches 1,8,32 --steps 24 [--threads 1,2]
     python -m bench.decode_step --model .models/opt-125m --batches 1,4,10,32,64 --steps 16 --packed
+    python -m bench.decode_step --model .models/opt-125m --batches 10 --steps 12 --compile
 
 - cache: transformers' DynamicCache (concatenated per layer at every step, as the engine did
   before) against worker/engines/kvcache.SlotKV (written in place), same prompt (8 random
@@ -13,6 +14,10 @@ machine falls on every variant alike)::
   PyTorch's `nn.Linear` and with the linears packed for oneDNN (worker/engines/packed.py), two
   copies of the model, interleaved; greedy tokens must be identical. Also one prefill of a
   quarter of the batch's rows (6 tokens each), as admission runs it.
+- compile (with --compile): one forward of B one-token rows without a cache, as PyTorch's
+  `nn.Linear`, packed (as above) and `torch.compile` of the plain model with inductor's
+  "freezing" (which packs weights for oneDNN itself and fuses the rest), static shapes; the
+  compile time of one shape and the median forward time of each, interleaved.
 - threads (with --threads): the same forward (batch B, one token, no cache) at each thread
   count in turn.
 """
@@ -35,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="", help="comma-separated thread counts to compare")
     ap.add_argument("--packed", action="store_true", help="nn.Linear against oneDNN-packed linears")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--compile", action="store_true", help="packed linears against torch.compile")
     args = ap.parse_args(argv)
     if args.packed:
         return packed(args)
+    if args.compile:
+        return compiled(args)
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -158,6 +166,46 @@ def packed(args) -> int:
             ratio = median([x / y for x, y in zip(a, p)])
             print(f"| {b} | {median(a) * 1e3:.1f} | {median(p) * 1e3:.1f} | {ratio:.2f}x | {rows} | "
                   f"{median(pre['plain']) * 1e3:.1f} | {median(pre['packed']) * 1e3:.1f} |", flush=True)
+    return 0
+
+
+def compiled(args) -> int:
+    import torch
+    import torch._inductor.config as inductor
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from bench.common import cpu_model
+    from worker.engines.packed import pack
+
+    hf_logging.disable_progress_bar()
+    inductor.freezing = True
+    plain = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    fast = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}, float32; "
+          f"linear layers: {pack(fast)}")
+    with torch.no_grad():
+        for b in [int(x) for x in args.batches.split(",")]:
+            x = torch.randint(3, plain.config.vocab_size - 100, (b, 1))
+            graph = torch.compile(lambda ids: plain(input_ids=ids, use_cache=False).logits, dynamic=False)
+            t0 = time.perf_counter()
+            graph(x)
+            compile_s = time.perf_counter() - t0
+            runs = {
+                "nn.Linear": lambda: plain(input_ids=x, use_cache=False).logits,
+                "packed": lambda: fast(input_ids=x, use_cache=False).logits,
+                "torch.compile": lambda: graph(x),
+            }
+            ref = runs["nn.Linear"]()
+            diffs = {k: float((f() - ref).abs().max()) for k, f in runs.items()}
+            times = {k: [] for k in runs}
+            for i in range(args.steps):
+                for name, fn in runs.items() if i % 2 == 0 else list(runs.items())[::-1]:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+            print(f"batch {b}: compile {compile_s:.1f} s; " + ", ".join(
+                f"{k} {median(t) * 1e3:.1f} ms (max |diff| {diffs[k]:.1e})" for k, t in times.items()), flush=True)
     return 0
 
 
