@@ -92,9 +92,12 @@ end
 # The depth is the queue's set of queued job ids, not the length of its Redis list: it counts
 # jobs whose messages are not yet published and priority sub-queues, so the cap is exact. The
 # owner's set counts the same way (_TRANSITION removes a job from both when it leaves queued).
-# KEYS: the queued set, the owner's queued set ('' for jobs without owner), then one record key
-# per job. ARGV: max depth, TTL, now, the number of fields per record, the owner's max queued
-# ('' = no limit), then each record's field/value pairs in order (the id first).
+# With the jobs' broker messages (tasks/celery_app.py `job_message`), each is LPUSHed onto its
+# queue's list once every record is written: job and message exist together or not at all.
+# KEYS: the queued set, the owner's queued set ('' for jobs without owner), one record key per
+# job, then (with messages) one queue list per job. ARGV: max depth, TTL, now, the number of
+# fields per record, the owner's max queued ('' = no limit), the number of jobs, then each
+# record's field/value pairs in order (the id first), then (with messages) each message.
 # Returns {the queue's depth before, the owner's count before, 0 created | 1 queue full |
 # 2 owner's quota exceeded}.
 _CREATE = """
