@@ -97,6 +97,7 @@ def broker_priority(priority: int) -> int:
     -4 .. 4 become 0 .. 8, the default 0 becomes 4."""
     return min(max(priority, PRIORITY_MIN), PRIORITY_MAX) - PRIORITY_MIN
 
+
 def _argsrepr(spec: JobSpec) -> str:
     # Logs and monitoring name the job, never its prompt (user data).
     return f"job {spec.id}" + (f" of {spec.owner}" if spec.owner else "")
