@@ -47,6 +47,14 @@ def test_a_dtype_onednn_cannot_pack_here_keeps_pytorchs_layers(tiny_model):
         assert said == f"{len(before)} packed for oneDNN" and linears(model) == []
 
 
+def test_a_packed_product_that_differs_keeps_pytorchs_layers(tiny_model, monkeypatch):
+    model = load(tiny_model)
+    before = linears(model)
+    monkeypatch.setattr(packed.PackedLinear, "forward", lambda self, x: torch.zeros(*x.shape[:-1], self.out_features))
+    assert packed.pack(model) == "PyTorch's (oneDNN's packed product differed from PyTorch's here)"
+    assert linears(model) == before
+
+
 @pytest.mark.parametrize("setting", [True, False])
 def test_the_engine_packs_as_set(tiny_model, caplog, setting):
     from tasks.config import Settings

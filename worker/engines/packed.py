@@ -50,11 +50,16 @@ def pack(model: torch.nn.Module, rows: int = PACK_ROWS) -> str:
              if type(child) is torch.nn.Linear]
     with torch.no_grad():
         for i, (parent, name, child) in enumerate(found):
-            try:
+            if i == 0:  # can oneDNN pack this dtype on this CPU, and does it compute the same?
+                try:
+                    linear = PackedLinear(child, rows)
+                    x = torch.randn(3, child.in_features, dtype=child.weight.dtype)
+                    same = torch.allclose(linear(x).float(), child(x).float(), rtol=1e-2, atol=1e-2)
+                except RuntimeError as exc:  # "bf16 path needs the cpu support avx_ne_convert or ..."
+                    return f"PyTorch's (oneDNN cannot pack them here: {exc})"
+                if not same:
+                    return "PyTorch's (oneDNN's packed product differed from PyTorch's here)"
+            else:
                 linear = PackedLinear(child, rows)
-            except RuntimeError as exc:  # "bf16 path needs the cpu support avx_ne_convert or ..."
-                if i:
-                    raise
-                return f"PyTorch's (oneDNN cannot pack them here: {exc})"
             setattr(parent, name, linear)  # one at a time: the unpacked weight goes at once
     return f"{len(found)} packed for oneDNN"
