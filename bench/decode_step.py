@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", default="", help="comma-separated thread counts to compare")
     ap.add_argument("--packed", action="store_true", help="nn.Linear against oneDNN-packed linears")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights' dtype for --packed and --compile")
     ap.add_argument("--compile", action="store_true", help="packed linears against torch.compile")
     args = ap.parse_args(argv)
     if args.packed:
@@ -112,13 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def packed(args) -> int:
+def _plain_and_packed(args):
+    """Two copies of the checkpoint in `--dtype`: PyTorch's linears, and packed ones."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from bench.common import cpu_model
-    from worker.engines.kvcache import SlotKV
     from worker.engines.packed import pack
 
     hf_logging.disable_progress_bar()
@@ -127,6 +128,16 @@ def packed(args) -> int:
     fast = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}, {args.dtype}; "
           f"linear layers: {pack(fast)}")
+    return plain, fast
+
+
+def packed(args) -> int:
+    import torch
+
+    from worker.engines.kvcache import SlotKV
+
+    plain, fast = _plain_and_packed(args)
+    dtype = plain.dtype
     cfg = plain.config
     heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
     print("| batch | nn.Linear ms/step | packed ms/step | speedup (median of per-step ratios) | "
@@ -172,18 +183,9 @@ def packed(args) -> int:
 def compiled(args) -> int:
     import torch
     import torch._inductor.config as inductor
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    from bench.common import cpu_model
-    from worker.engines.packed import pack
-
-    hf_logging.disable_progress_bar()
     inductor.freezing = True
-    plain = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    fast = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}, float32; "
-          f"linear layers: {pack(fast)}")
+    plain, fast = _plain_and_packed(args)
     with torch.no_grad():
         for b in [int(x) for x in args.batches.split(",")]:
             x = torch.randint(3, plain.config.vocab_size - 100, (b, 1))

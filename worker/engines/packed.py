@@ -6,8 +6,9 @@ a few dozen rows against a large weight) that kernel is slow and erratic: the 12
 projection (50,272 x 768) takes 40-50 ms at 4-32 rows on a 2-core AMD EPYC with AVX2, against
 13-15 ms at 1 row, so a batch of 10 paid 3x the weight's cost. oneDNN with the weight reordered
 once into its blocked layout (`mkldnn._reorder_linear_weight`, what torch.compile's CPU
-"freezing" does, and vLLM's CPU backend with its own oneDNN GEMMs) runs the same product at
-12-25 ms there: see `python -m bench.decode_step --packed` and docs/benchmarks.md.
+"freezing" does, and vLLM's CPU backend with its own oneDNN GEMMs) ran the same product at
+12-25 ms there; whole decode steps got 1.15-1.96x faster at batch 1-64 (`python -m
+bench.decode_step --packed`, docs/benchmarks.md).
 
 `pack(model)` replaces every `nn.Linear` of the model by a `PackedLinear` holding the
 packed weight (the original weight is freed, except where another module shares it: OPT's
@@ -22,7 +23,8 @@ from __future__ import annotations
 import torch
 
 # The row count oneDNN packs the weights for. Any count works with the packed weight; this one
-# measured best across 1-64 rows (bench.decode_step).
+# measured best for the output projection across 1-64 rows, against no hint, 1 and 32 (a
+# one-off measurement of that layer alone, 2026-12-01, not part of a benchmark).
 PACK_ROWS = 64
 
 
