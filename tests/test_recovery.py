@@ -75,8 +75,8 @@ def _start_workers(s, n: int) -> list[stackmod.Proc]:
     return workers
 
 
-def _busiest(s, ids: list[str], workers: list[stackmod.Proc]) -> tuple[stackmod.Proc, set[str]]:
-    """Once jobs run: the worker running most of them, and those jobs."""
+def _busiest(s, ids: list[str], workers: list[stackmod.Proc]) -> stackmod.Proc:
+    """Once jobs run: the worker running most of them."""
     found: dict[str, set[str]] = {}
 
     def running() -> bool:
@@ -89,7 +89,17 @@ def _busiest(s, ids: list[str], workers: list[stackmod.Proc]) -> tuple[stackmod.
     stackmod.wait_until(running, 60, "jobs to run", s.procs)
     name = max(found, key=lambda n: len(found[n]))
     (proc,) = [w for w in workers if f"-{w.pid}@" in name]
-    return proc, found[name]
+    return proc
+
+
+def _held(s, ids: list[str], victim: stackmod.Proc) -> set[str]:
+    """The jobs `victim` was running when it was killed or stopped (read right after the signal:
+    their records say so until recovery acts, a heartbeat TTL later). Not those it ran when
+    `_busiest` looked: a worker can finish them all between that look and the signal."""
+    mark = f"-{victim.pid}@"
+    held = {j for j, rec in _records(s, ids).items() if rec["status"] == "running" and mark in rec["worker"]}
+    assert held, "the worker held no job when the signal came"
+    return held
 
 
 def _submit_batch(s, prompts: list[str], sampled: int = 0) -> list[str]:
@@ -121,9 +131,10 @@ def test_a_killed_workers_jobs_finish_elsewhere_within_a_minute(make_stack, refe
     workers = _start_workers(s, 2)
     prompts = _prompts(40)
     ids = _submit_batch(s, prompts)
-    victim, moved = _busiest(s, ids, workers)
+    victim = _busiest(s, ids, workers)
     victim.signal(signal.SIGKILL)
     killed = time.monotonic()
+    moved = _held(s, ids, victim)
     victim.popen.wait(10)
     (survivor,) = [w for w in workers if w is not victim]
 
@@ -149,9 +160,10 @@ def test_a_hung_worker_is_given_up_and_writes_nothing_when_it_wakes(make_stack, 
     workers = _start_workers(s, 2)
     # Sampled jobs too: their new attempt's tokens differ, so a late write would show.
     ids = _submit_batch(s, _prompts(40), sampled=8)
-    victim, moved = _busiest(s, ids, workers)
+    victim = _busiest(s, ids, workers)
     victim.signal(signal.SIGSTOP)
     stopped = time.monotonic()
+    moved = _held(s, ids, victim)
     try:
         recs = _wait_final(s, ids, RECOVERY_LIMIT_S)
         assert time.monotonic() - stopped <= RECOVERY_LIMIT_S, "not all jobs finished within a minute"
