@@ -226,20 +226,31 @@ class JobStore:
     def depth(self, queue: str) -> int:
         return self.r.zcard(keys.queued(queue))
 
-    def get(self, job_id: str, result_key: str | bytes | None = None) -> dict[str, str] | None:
+    def get(
+        self, job_id: str, result_key: str | bytes | None = None, block_ms: int | None = None
+    ) -> dict[str, str] | None:
         """The job's record. With `result_key` (the result backend's key of the job), that
         key's raw value comes in the same round trip, under RESULT_RAW (None if absent): read
-        after the record, so a record that says succeeded finds the result there."""
-        if result_key is None:
+        after the record, so a record that says succeeded finds the result there.
+
+        `block_ms`: first wait up to that long for the job's done stream, in the same round
+        trip: Redis runs a connection's pipelined commands in order, so the record is read
+        once the stream has its entry (the job is final) or the block has run out."""
+        if result_key is None and block_ms is None:
             rec = self.r.hgetall(keys.job(job_id))
             return rec or None
         pipe = self.r.pipeline(transaction=False)
+        if block_ms is not None:
+            pipe.xread({keys.done(job_id): "0"}, block=block_ms, count=1)
         pipe.hgetall(keys.job(job_id))
-        pipe.get(result_key)
-        rec, raw = pipe.execute()
+        if result_key is not None:
+            pipe.get(result_key)
+        replies = pipe.execute()[0 if block_ms is None else 1:]
+        rec = replies[0]
         if not rec:
             return None
-        rec[RESULT_RAW] = raw
+        if result_key is not None:
+            rec[RESULT_RAW] = replies[1]
         return rec
 
     def _move(
@@ -374,8 +385,9 @@ class JobStore:
                 # An entry in the done stream means the record is final. Each block stays
                 # below the client's socket timeout (redis-py's default is 5 s).
                 block_ms = max(1, int(min(left, MAX_BLOCK_S) * 1000))
-                self.r.xread({keys.done(job_id): "0"}, block=block_ms, count=1)
-            rec = self.get(job_id, result_key)
+                rec = self.get(job_id, result_key, block_ms)
+            else:
+                rec = self.get(job_id, result_key)
             rec = rec and self.expire_if_due(rec)
             if rec is None or JobStatus(rec["status"]).terminal or time.monotonic() >= deadline:
                 return rec

@@ -2,10 +2,13 @@
 - JobStore.succeed stores a result and the succeeded status in one call, both fenced by the
   attempt (a superseded attempt writes neither);
 - JobStore.get(..., result_key=...) brings the result with the record;
+- JobStore.wait blocks on the done stream and reads the record and result in one round trip;
 - kombu's Redis channel reuses one client per pool (tasks/celery_app.py)."""
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 
 import pytest
@@ -58,6 +61,33 @@ def test_get_with_result_key_reads_the_record_and_the_result_together(store):
     rec = store.wait(job, 1.0, exists=True, result_key=result_key)
     assert rec["status"] == JobStatus.succeeded.value and rec[RESULT_RAW] == '{"result": {"text": "x"}}'
     assert store.get(str(uuid.uuid4()), result_key) is None
+
+
+def test_wait_reads_the_final_record_in_the_round_trip_that_blocked(store, monkeypatch):
+    job = _job(store)
+    result_key = f"celery-task-meta-{job}"
+    store.start(job, "w1", "t1")
+    trips: list[str] = []
+    monkeypatch.setattr(store.r, "execute_command", lambda *a, **k: trips.append(a[0]) or redis.Redis.execute_command(store.r, *a, **k))
+    real_execute = redis.client.Pipeline.execute
+    monkeypatch.setattr(redis.client.Pipeline, "execute", lambda self, *a: trips.append("pipeline") or real_execute(self, *a))
+    other = JobStore(redis.Redis(connection_pool=store.r.connection_pool), ttl=600, max_attempts=3)
+    finisher = threading.Timer(0.3, other.succeed, (job, 1, result_key, '{"result": {"text": "y"}}', 600))
+    finisher.start()
+    try:
+        began = time.monotonic()
+        rec = store.wait(job, 10.0, exists=True, result_key=result_key)
+        waited = time.monotonic() - began
+    finally:
+        finisher.join()
+    assert rec["status"] == JobStatus.succeeded.value and rec[RESULT_RAW] == '{"result": {"text": "y"}}'
+    assert 0.2 < waited < 5  # woken by the done stream, not by the end of a block
+    assert trips == ["pipeline"]
+    # A wait that runs out returns the record as it stands, still in one round trip a block.
+    job2 = _job(store)
+    trips.clear()
+    rec = store.wait(job2, 0.05, exists=True, result_key=result_key)
+    assert rec["status"] == JobStatus.queued.value and trips == ["pipeline"]
 
 
 def test_kombu_channels_reuse_their_redis_client(redis_url, monkeypatch):
