@@ -8,16 +8,22 @@ processes, the worker, Redis and the load generator, and the Redis commands per 
 (`INFO commandstats` before and after the window; all of Redis's clients: API, worker,
 heartbeats). `--profile DIR`: py-spy (`--py-spy`, installed outside the project's env) records
 the API's gunicorn worker(s) and the Celery worker during the window, as speedscope JSON and
-a flat table of the top functions. Prints one JSON object; writes no doc.
-Quick run: `python -m bench.frontend --duration 3`.
+a flat table of the top functions. `--floor`: beside genqueue's stack, the textbook Flask +
+Celery app of bench/floor_app.py (same gunicorn settings, a plain Celery worker, no genqueue
+code) under the same load, the two measured in turn `--runs` times each: the cost of the
+frameworks themselves, against which genqueue's figure can be read. Prints one JSON object;
+writes no doc. Quick run: `python -m bench.frontend --duration 3`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+import types
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -64,12 +70,13 @@ def top_functions(raw: Path, n: int = 25) -> list[tuple[str, float, float]]:
 
 def once(procs, st: Stack, db: RedisTarget, r: redis.Redis, args, outdir: Path, tag: str) -> dict:
     api_children = [c.pid for c in psutil.Process(st.api.pid).children(recursive=True)]
-    w = Window(r, {"api": st.api.pid, "worker": st.worker.pid, "redis": db.pid})
+    worker_pid = st.worker.pid if st.worker is not None else None
+    w = Window(r, {"api": st.api.pid, "worker": worker_pid, "redis": db.pid})
     profs: list = []
 
     def on_window(event: str) -> None:
         if event == "start" and args.profile:
-            profs.extend(_profilers(args.py_spy, {"api": api_children, "worker": [st.worker.pid]},
+            profs.extend(_profilers(args.py_spy, {"api": api_children, "worker": [worker_pid] if worker_pid else []},
                                     args.profile, args.duration))
         w(event)
 
@@ -80,6 +87,8 @@ def once(procs, st: Stack, db: RedisTarget, r: redis.Redis, args, outdir: Path, 
     cpu = res["cpu"] = dict(w.meter.result)
     cpu["client"] = res.pop("client_cpu")
     cpu["other"] = max(0.0, cpu.get("other", 0.0) - cpu["client"])
+    if worker_pid is None:
+        cpu["worker"] = 0.0  # the HTTP floor: no worker at all
     n = res["requests"]
     res["cpu_ms_per_request"] = {k: per_request_ms(res, k) for k in ("api", "worker", "redis", "client")}
     res["cpu_ms_per_request"]["front_end"] = sum(res["cpu_ms_per_request"][k] for k in ("api", "worker", "redis"))
@@ -96,6 +105,38 @@ def once(procs, st: Stack, db: RedisTarget, r: redis.Redis, args, outdir: Path, 
     return res
 
 
+def start_floor(procs, redis_url: str, http_only: bool = False):
+    """bench/floor_app.py's API (genqueue's gunicorn settings) and a plain Celery worker on
+    `redis_url`; returns an object with what `once` reads of a Stack (api, worker, port, name).
+    `http_only`: the app answers in the route itself, no Celery and no worker."""
+    from scripts import stack
+
+    port = stack.free_port()
+    env = {"REDIS_URL": redis_url, "GENQ_PORT": str(port)}
+    worker = None
+    if http_only:
+        env["FLOOR_HTTP_ONLY"] = "1"
+    else:
+        worker = procs.start("floor-worker", [sys.executable, "-m", "celery", "-A", "bench.floor_app:celery",
+                                              "worker", "-P", "threads", "-c", "32", "--without-heartbeat",
+                                              "--without-mingle", "--without-gossip", "-l", "warning"], env)
+    api = procs.start(f"floor-api{'-http' if http_only else ''}",
+                      [stack.api_argv()[0], "--config", "python:bench.floor_gunicorn", "bench.floor_app:app"], env)
+    body = json.dumps({"model": "floor", "prompt": "one two three", "max_tokens": 2}).encode()
+
+    def answers() -> bool:
+        try:
+            rq = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                        {"Content-Type": "application/json"})
+            with urllib.request.urlopen(rq, timeout=5) as resp:
+                return b'"choices"' in resp.read()
+        except OSError:
+            return False
+
+    stack.wait_until(answers, 60, "the floor app", [p for p in (api, worker) if p])
+    return types.SimpleNamespace(api=api, worker=worker, port=port, name="floor")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser("bench.frontend", __doc__, model=False)
     ap.add_argument("--clients", type=int, default=32)
@@ -106,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=1, help="measurements, each reported (default 1)")
     ap.add_argument("--profile", type=Path, default=None, help="record py-spy profiles into this folder")
     ap.add_argument("--py-spy", default=os.environ.get("PY_SPY", "py-spy"))
+    ap.add_argument("--floor", action="store_true",
+                    help="measure bench/floor_app.py (plain Flask + Celery) in turn with genqueue")
     args = ap.parse_args(argv)
     args.max_other_load = max(args.max_other_load, 100.0) if args.retries == 0 else args.max_other_load
     if args.profile:
@@ -118,9 +161,26 @@ def main(argv: list[str] | None = None) -> int:
         st = Stack(procs, db.url, "echo", "echo", "front")
         st.start_worker()
         st.start_api(args.api_workers)
-        res["runs"] = [quietest(lambda: once(procs, st, db, r, args, outdir, f"front-{i}"), args,
-                                [st.api.pid, st.worker.pid, db.pid]) for i in range(args.runs)]
+        sides = [("genqueue", st, res.setdefault("runs", []))]
+        if args.floor:
+            sides += [("floor (plain Flask + Celery)", start_floor(procs, db.url), res.setdefault("floor_runs", [])),
+                      ("HTTP floor (Flask alone)", start_floor(procs, db.url, http_only=True),
+                       res.setdefault("http_floor_runs", []))]
+        for i in range(args.runs):
+            for k, (name, side, runs) in enumerate(sides):
+                log(f"{name}, run {i + 1}:")
+                pids = [side.api.pid, side.worker.pid if side.worker else None, db.pid]
+                runs.append(quietest(lambda: once(procs, side, db, r, args, outdir, f"side{k}-{i}"), args, pids))
         st.stop()
+        if args.floor:
+            res["median_cpu_ms_per_request"] = {
+                name: {k: statistics.median(x["cpu_ms_per_request"][k] for x in runs)
+                       for k in ("api", "worker", "redis", "front_end")}
+                for name, _, runs in sides
+            }
+            for name, m in res["median_cpu_ms_per_request"].items():
+                log(f"median CPU ms/request, {name}: API {m['api']:.2f} worker {m['worker']:.2f} "
+                    f"Redis {m['redis']:.2f} front end {m['front_end']:.2f}")
 
     res = run_bench("bench.frontend", args, argv, measure, loadavg_start=os.getloadavg())
     if res is None:
