@@ -10,8 +10,8 @@ per request. `python -m bench.frontend --floor` measures it beside genqueue's ec
 FLOOR_HTTP_ONLY=1 the route answers by itself (no Celery, no Redis): what gunicorn and Flask
 alone cost.
 
-API: `gunicorn --config python:webapp.gunicorn_conf bench.floor_app:app` (genqueue's own
-gunicorn settings: gevent, same port variable). Worker: `celery -A bench.floor_app:celery
+API: `gunicorn --config python:bench.floor_gunicorn bench.floor_app:app` (genqueue's gunicorn
+settings without its hooks; port from GENQ_PORT). Worker: `celery -A bench.floor_app:celery
 worker -P threads`. Both read REDIS_URL.
 """
 

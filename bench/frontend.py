@@ -8,11 +8,12 @@ processes, the worker, Redis and the load generator, and the Redis commands per 
 (`INFO commandstats` before and after the window; all of Redis's clients: API, worker,
 heartbeats). `--profile DIR`: py-spy (`--py-spy`, installed outside the project's env) records
 the API's gunicorn worker(s) and the Celery worker during the window, as speedscope JSON and
-a flat table of the top functions. `--floor`: beside genqueue's stack, the textbook Flask +
-Celery app of bench/floor_app.py (same gunicorn settings, a plain Celery worker, no genqueue
-code) under the same load, the two measured in turn `--runs` times each: the cost of the
-frameworks themselves, against which genqueue's figure can be read. Prints one JSON object;
-writes no doc. Quick run: `python -m bench.frontend --duration 3`.
+a flat table of the top functions. `--floor`: beside genqueue's stack, under the same load
+and in turn with it (`--runs` rounds), the textbook Flask + Celery app of bench/floor_app.py
+(same gunicorn settings, a plain Celery worker, no genqueue code) and the same Flask app
+answering by itself (no Celery, no Redis): what the frameworks cost, against which genqueue's
+figure can be read. Prints one JSON object; writes no doc. Quick run:
+`python -m bench.frontend --duration 3`.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, default=None, help="record py-spy profiles into this folder")
     ap.add_argument("--py-spy", default=os.environ.get("PY_SPY", "py-spy"))
     ap.add_argument("--floor", action="store_true",
-                    help="measure bench/floor_app.py (plain Flask + Celery) in turn with genqueue")
+                    help="also measure bench/floor_app.py (plain Flask + Celery, and Flask alone) in turn "
+                    "with genqueue")
     args = ap.parse_args(argv)
     args.max_other_load = max(args.max_other_load, 100.0) if args.retries == 0 else args.max_other_load
     if args.profile:
