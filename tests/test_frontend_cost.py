@@ -67,10 +67,20 @@ def test_wait_reads_the_final_record_in_the_round_trip_that_blocked(store, monke
     job = _job(store)
     result_key = f"celery-task-meta-{job}"
     store.start(job, "w1", "t1")
+    # Every round trip of `store.r`: a single command by name, or a whole pipeline.
     trips: list[str] = []
-    monkeypatch.setattr(store.r, "execute_command", lambda *a, **k: trips.append(a[0]) or redis.Redis.execute_command(store.r, *a, **k))
-    real_execute = redis.client.Pipeline.execute
-    monkeypatch.setattr(redis.client.Pipeline, "execute", lambda self, *a: trips.append("pipeline") or real_execute(self, *a))
+    real_command, real_execute = redis.Redis.execute_command, redis.client.Pipeline.execute
+
+    def command(*args, **options):
+        trips.append(args[0])
+        return real_command(store.r, *args, **options)
+
+    def execute(self, *args):
+        trips.append("pipeline")
+        return real_execute(self, *args)
+
+    monkeypatch.setattr(store.r, "execute_command", command)
+    monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
     other = JobStore(redis.Redis(connection_pool=store.r.connection_pool), ttl=600, max_attempts=3)
     finisher = threading.Timer(0.3, other.succeed, (job, 1, result_key, '{"result": {"text": "y"}}', 600))
     finisher.start()
