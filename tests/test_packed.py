@@ -67,3 +67,35 @@ def test_the_engine_packs_as_set(tiny_model, caplog, setting):
         assert ("linear layers: " in caplog.text) is setting
     finally:
         eng.close()
+
+
+def test_the_engine_packs_on_the_thread_that_runs_the_model(tiny_model, monkeypatch):
+    """oneDNN linears packed on one thread and run on another used fewer cores (measured);
+    the engine packs them on its scheduler thread, and a packing that fails fails the
+    constructor instead of leaving an engine that never starts."""
+    import threading
+
+    from tasks.config import Settings
+    from worker.engines.hf import HFEngine
+
+    where: list[str] = []
+    real_init = packed.PackedLinear.__init__
+
+    def init(self, *args, **kwargs):
+        where.append(threading.current_thread().name)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(packed.PackedLinear, "__init__", init)
+    settings = Settings(model=str(tiny_model), dtype="float32", max_batch_size=2, packed_linears=True)
+    eng = HFEngine(settings)
+    try:
+        assert where and set(where) == {eng._thread.name} and eng._thread.name != threading.current_thread().name
+    finally:
+        eng.close()
+
+    def broken(model):
+        raise RuntimeError("no oneDNN today")
+
+    monkeypatch.setattr(packed, "pack", broken)
+    with pytest.raises(RuntimeError, match="no oneDNN today"):
+        HFEngine(settings)

@@ -102,8 +102,6 @@ class HFEngine(Engine):
         dtype, why = resolve_dtype(settings.dtype)
         log.info("weights in %s (%s)", dtype, why)
         self.lm = AutoModelForCausalLM.from_pretrained(settings.model, dtype=getattr(torch, dtype)).eval()
-        if settings.packed_linears:
-            log.info("linear layers: %s", packed.pack(self.lm))
         cfg = self.lm.config
         self.max_model_len = getattr(cfg, "max_position_embeddings", None)
         self.eos = self.tok.eos_token_id if self.tok.eos_token_id is not None else cfg.eos_token_id
@@ -134,8 +132,14 @@ class HFEngine(Engine):
         self._fg = 0
         self._steps = 0
         self._pieces: dict[int, str] = {}
-        self._thread = threading.Thread(target=self._run, name="genq-scheduler", daemon=True)
+        # The linears are packed on the thread that will run them (`_start`); the engine is
+        # ready, or its constructor raises, once that is done.
+        self._started: Future[None] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(settings.packed_linears,), name="genq-scheduler", daemon=True
+        )
         self._thread.start()
+        self._started.result()
 
     # -- called from Celery task threads ---------------------------------------------------
 
@@ -175,7 +179,23 @@ class HFEngine(Engine):
 
     # -- the scheduler thread --------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _start(self, pack: bool) -> bool:
+        """Pack the linear layers here, on the thread that runs every forward: oneDNN
+        linears packed on another thread (the constructor's) ran a decode step on ~1.4 of 2
+        cores and 1.1-1.4x slower (measured, docs/benchmarks.md "hf engine: packed linear
+        layers"); PyTorch's own linears do not care which thread loaded them."""
+        try:
+            if pack:
+                log.info("linear layers: %s", packed.pack(self.lm))
+        except BaseException as exc:  # the constructor raises it; this thread ends
+            self._started.set_exception(exc)
+            return False
+        self._started.set_result(None)
+        return True
+
+    def _run(self, pack: bool = False) -> None:
+        if not self._start(pack):
+            return
         with torch.inference_mode():
             while not self._closed.is_set():
                 new = self._take()
