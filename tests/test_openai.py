@@ -188,3 +188,17 @@ def test_echo_engine_takes_the_parameters(echo_stack):
         assert c["text"] == " two three"
         assert c["logprobs"] == {"tokens": [" two", " three"], "token_logprobs": [0.0, 0.0],
                                  "top_logprobs": [{" two": 0.0}, {" three": 0.0}], "text_offset": [0, 4]}
+
+
+def test_max_tokens_null_is_16_and_errors_name_max_tokens(echo_stack):
+    """`max_tokens: null` is vLLM's default (16); one above the limit is refused naming the
+    request's field, not the job's `max_new_tokens`."""
+    words = " ".join(f"w{i}" for i in range(40))
+    resp = echo_stack.post("/v1/completions", json={"model": echo_stack.name, "prompt": words, "max_tokens": None})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 16
+    resp = echo_stack.post("/v1/completions", json={"model": echo_stack.name, "prompt": "Hi", "max_tokens": 100_000})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "max_tokens" and err["message"].startswith("max_tokens: must be at most ")
+    assert "max_new_tokens" not in err["message"]

@@ -8,6 +8,7 @@ passed to the job's SamplingParams; those it does not are accepted at their neut
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -20,6 +21,12 @@ FINISH = {"length": "length", "stop": "stop", "eos": "stop", "cancelled": "stop"
 
 # The most completions one request may ask per prompt (`n`): each is a job of its own.
 N_MAX = 16
+
+# `max_tokens` when a request leaves it out or sends null: OpenAI's and vLLM's 16.
+DEFAULT_MAX_TOKENS = 16
+
+# The job's parameters that the request names otherwise: an error about one names the request's.
+REQUEST_FIELDS = {"max_new_tokens": "max_tokens"}
 
 # Parameters accepted only at a value that changes nothing, with those values. OpenAI's
 # `logit_bias` and `suffix`, and vLLM's extensions this server does not implement.
@@ -56,6 +63,16 @@ NEUTRAL: dict[str, tuple] = {
 }
 
 
+def named_as_requested(exc: APIError) -> APIError:
+    """`exc` naming the request's fields (`max_tokens`), not the job's (`max_new_tokens`)."""
+    message, param = exc.message, exc.param
+    for ours, theirs in REQUEST_FIELDS.items():
+        message = re.sub(rf"\b{ours}\b", theirs, message)
+        if param == ours or (param is None and message.startswith(f"{theirs}:")):
+            param = theirs
+    return APIError(exc.status, exc.code, message, exc.headers, param)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -69,7 +86,7 @@ class CompletionRequest(BaseModel):
 
     prompt: str | list[str]
     model: str | None = None
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -143,8 +160,10 @@ class CompletionRequest(BaseModel):
     @field_validator("min_tokens")
     @classmethod
     def _min_within_max(cls, v: int | None, info: ValidationInfo) -> int | None:
-        most = info.data.get("max_tokens")
-        if v and most is not None and v > most:
+        if "max_tokens" not in info.data:  # itself invalid: that error says enough
+            return v
+        most = info.data["max_tokens"] or DEFAULT_MAX_TOKENS
+        if v and v > most:
             raise ValueError(f"must not exceed max_tokens ({most})")
         return v
 
@@ -184,7 +203,7 @@ class CompletionRequest(BaseModel):
         """The job's SamplingParams, as a dict (null fields take their defaults)."""
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return {
-            "max_new_tokens": self.max_tokens,
+            "max_new_tokens": DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": max(self.top_k or 0, 0),

@@ -9,12 +9,19 @@ from flask import Blueprint, request
 
 from tasks.schemas import SamplingParams, Scheduling
 from webapp import auth, protocol, sse
-from webapp.errors import error_body, job_error_status
+from webapp.errors import APIError, error_body, error_response, job_error_status
 from webapp.openapi import BLOCKING_ERRORS, SSE, doc
 from webapp.routes._body import parse
 from webapp.service import current_service
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
+
+
+@bp.errorhandler(APIError)
+def _named_as_requested(exc: APIError):
+    """Errors name OpenAI's fields (`max_tokens`), not the job's (`max_new_tokens`)."""
+    exc = protocol.named_as_requested(exc)
+    return error_response(exc.status, exc.code, exc.message, exc.headers, exc.param)
 
 
 @bp.get("/models")
