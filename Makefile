@@ -34,8 +34,9 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 model: $(STAMP)
 	$(BIN)/python -m worker.devmodels --shape tiny --out .models/tiny-opt
 
+# exec: the launcher's parent is make itself, whose death (even by SIGKILL) stops the stack.
 run: model $(if $(findstring vllm,$(GENQ_ENGINES)),$(VLLM_STAMP))
-	GENQ_ENGINES=$(GENQ_ENGINES) $(BIN)/python -m scripts.stack
+	GENQ_ENGINES=$(GENQ_ENGINES) exec $(BIN)/python -m scripts.stack
 
 test: model $(VLLM_STAMP)
 	$(BIN)/python -m pytest

@@ -5,9 +5,10 @@ exercise is the one a user starts. docker-compose.yml runs the same two commands
 
 Every child runs in a session of its own (so that it can be stopped as a group) and dies with
 the process that started it, even one killed by SIGKILL (Linux `PR_SET_PDEATHSIG`): a killed
-launcher, test run or benchmark leaves no Redis, worker or API behind. `make run` keeps its
-private Redis's data in `GENQ_DATA_DIR` (AOF), so stopping and starting it loses no job, and
-restarts a worker that exits instead of stopping everything.
+launcher, test run or benchmark leaves no Redis, worker or API behind. The launcher in turn
+stops everything when the process that started it dies (`make run`'s make, even SIGKILLed).
+`make run` keeps its private Redis's data in `GENQ_DATA_DIR` (AOF), so stopping and starting it
+loses no job, and restarts a worker that exits instead of stopping everything.
 """
 
 from __future__ import annotations
@@ -112,6 +113,17 @@ def _die_with_parent():
             os.kill(os.getpid(), kill)
 
     return preexec
+
+
+def _stop_with_parent() -> int:
+    """The launcher itself gets SIGTERM (and so stops everything it started, as on Ctrl-C) when
+    the process that started it dies, even by SIGKILL: `make run`'s make (the Makefile execs
+    the launcher, so make is its parent). Returns the parent's pid, which the launcher's loop
+    also watches (not Linux: no prctl; a parent that died before the prctl call)."""
+    parent = os.getppid()
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    return parent
 
 
 class Proc:
@@ -374,6 +386,7 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    parent = _stop_with_parent()
     try:
         url = os.environ.get("REDIS_URL")
         if redis_answers(url):
@@ -397,6 +410,9 @@ def main() -> int:
         print(f"\nAPI      {base}\nready    {base}/readyz\nexample  curl -s {base}/basic_generate "
               "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello, my name is\"}'\n", flush=True)
         while not stopping:
+            if os.getppid() != parent:  # where PR_SET_PDEATHSIG is not (or came too late)
+                print("the process that started this one exited; stopping", file=sys.stderr, flush=True)
+                break
             for p in (api, private.proc if private else None):
                 if p is not None and not p.alive():
                     print(f"{p.name} exited with {p.popen.returncode}; stopping the rest", file=sys.stderr)

@@ -137,7 +137,7 @@ def test_a_job_whose_worker_dies_is_delivered_again(make_stack):
 class Launcher:
     """`python -m scripts.stack` as `make run` starts it, on a port and data dir of its own."""
 
-    def __init__(self, tmp_path, data_dir, name: str = "run"):
+    def __init__(self, tmp_path, data_dir, name: str = "run", argv: list[str] | None = None):
         self.port = stackmod.free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / f"{name}.log"
@@ -145,7 +145,7 @@ class Launcher:
         env.update(GENQ_PORT=str(self.port), GENQ_API_WORKERS="1", GENQ_DATA_DIR=str(data_dir))
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "scripts.stack"], cwd=stackmod.ROOT, env=env,
+                argv or [sys.executable, "-m", "scripts.stack"], cwd=stackmod.ROOT, env=env,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
@@ -216,6 +216,33 @@ def test_a_killed_launcher_leaves_no_process_behind(tiny_model, tmp_path):
             time.sleep(0.2)
         survivors = _living(descendants)
         assert not survivors, _cmdlines(survivors)
+    finally:
+        run.stop()
+        for p in _living(descendants):
+            p.kill()
+
+
+def test_a_make_killed_by_sigkill_takes_the_stack_with_it(tiny_model, tmp_path):
+    """`make run` itself (its `model` step skipped: the fixture built the model), and SIGKILL
+    to make alone, not to the launcher: the launcher notices and stops all it started."""
+    run = Launcher(tmp_path, tmp_path / "data", argv=["make", "--no-print-directory", "-o", "model", "run"])
+    descendants: list[psutil.Process] = []
+    try:
+        run.wait_ready(180)
+        descendants = run.descendants()
+        lines = _cmdlines(descendants)
+        assert any("scripts.stack" in c for c in lines), lines
+        assert any("redis-server" in c for c in lines) and any("-m worker" in c for c in lines), lines
+        assert any("gunicorn" in c for c in lines), lines
+
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait(10)
+        deadline = time.monotonic() + 90  # the launcher stops the API and the worker gracefully
+        while _living(descendants) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivors = _living(descendants)
+        assert not survivors, _cmdlines(survivors)
+        assert "stopped" in run.text(), run.text()[-3000:]
     finally:
         run.stop()
         for p in _living(descendants):
