@@ -235,13 +235,15 @@ def make_celery(settings: Settings | None = None) -> Celery:
     return app
 
 
-# The API's side (the sender): while Redis is down, publishing a job or reading a result must
-# fail within seconds so that the route answers 503, instead of waiting on a dead socket (kombu
-# sets no socket timeout, the result backend 120 s) or retrying for long. One quick retry still
-# rides over a pooled connection that went stale when Redis restarted. The socket timeout stays
-# above the API's longest blocking XREAD (3 s).
-SENDER_CONNECT_TIMEOUT_S = 2.0
-SENDER_SOCKET_TIMEOUT_S = 5.0
+# The API's side (the sender): while Redis is down or frozen, publishing a job or reading a
+# result must fail within a second so that the route answers 503 at once, instead of waiting on
+# a dead socket (kombu sets no socket timeout, the result backend 120 s) or retrying for long.
+# One quick retry still rides over a pooled connection that went stale when Redis restarted.
+# The API's blocking reads (XREAD BLOCK, up to 3 s) have a client of their own with the longer
+# BLOCKING_SOCKET_TIMEOUT_S (webapp/__init__.py).
+SENDER_CONNECT_TIMEOUT_S = 1.0
+SENDER_SOCKET_TIMEOUT_S = 1.0
+BLOCKING_SOCKET_TIMEOUT_S = 4.5
 
 
 def make_sender(settings: Settings | None = None) -> Celery:

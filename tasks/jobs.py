@@ -168,8 +168,11 @@ class Attempt:
 
 
 class JobStore:
-    def __init__(self, client: redis.Redis, ttl: int, max_attempts: int = 3):
+    def __init__(self, client: redis.Redis, ttl: int, max_attempts: int = 3, blocking: redis.Redis | None = None):
+        """`blocking`: the client for blocking reads (its socket timeout above MAX_BLOCK_S),
+        where `client`'s is shorter (the API's); `client` by default."""
         self.r = client
+        self.blocking = blocking or client
         self.ttl = ttl
         self.max_attempts = max_attempts
         self._transition = client.register_script(_TRANSITION)
@@ -239,7 +242,7 @@ class JobStore:
         if result_key is None and block_ms is None:
             rec = self.r.hgetall(keys.job(job_id))
             return rec or None
-        pipe = self.r.pipeline(transaction=False)
+        pipe = (self.r if block_ms is None else self.blocking).pipeline(transaction=False)
         if block_ms is not None:
             pipe.xread({keys.done(job_id): "0"}, block=block_ms, count=1)
         pipe.hgetall(keys.job(job_id))

@@ -19,6 +19,8 @@ def stream(job_id: str) -> str:
 
 WORKERS = f"{PREFIX}:workers"
 WORKERS_SEEN = f"{PREFIX}:workers:seen"
+# The last Redis outage a worker's heartbeat lived through (tasks/registry.py): start, end.
+WORKERS_OUTAGE = f"{PREFIX}:workers:outage"
 
 
 def inflight(worker: str) -> str:

@@ -5,11 +5,18 @@ every `heartbeat_interval` seconds. A worker whose last heartbeat is older than
 `heartbeat_ttl` counts as gone, whether it exited cleanly (it withdraws) or was killed; a
 worker that is shutting down keeps its heartbeat while it finishes its jobs, marked
 `draining`, so that it takes no new blocking calls yet its jobs are still looked after.
+
+Heartbeats are timed on Redis's clock (`TIME` inside the scripts below), never on a host's:
+hosts' clocks differ, and while Redis is frozen or down no heartbeat can land at all, so
+every heartbeat looks old the moment it comes back. A worker's silence counts only while
+Redis was serving: a heartbeat that finds its own previous one more than `gap` old, after a
+call that was held up that long, records the outage it lived through (`WORKERS_OUTAGE`); for
+a `ttl` after an outage, a worker that was alive when it began still counts as alive, so that
+every worker gets a full `ttl` of a serving Redis to beat again (worker/recovery.py's sweepers
+apply the same rule to themselves: see `Heartbeat` in worker/__main__.py).
 """
 
 from __future__ import annotations
-
-import time
 
 import redis
 from pydantic import BaseModel, Field
@@ -31,6 +38,75 @@ class WorkerInfo(BaseModel):
     draining: bool = Field(False, description="shutting down: finishes its jobs, takes no new calls")
 
 
+# KEYS: seen zset, info hash. ARGV: name, info JSON.
+# Returns Redis's time and the worker's previous heartbeat ('' if none), as strings.
+_BEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local prev = redis.call('ZSCORE', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[1], string.format('%.6f', now), ARGV[1])
+return {string.format('%.6f', now), prev or ''}
+"""
+
+# KEYS: outage hash. ARGV: start, end (Redis times). Widens the recorded outage when the two
+# overlap (several workers report one outage), replaces it when this one is newer.
+_OUTAGE = """
+local start, stop = tonumber(ARGV[1]), tonumber(ARGV[2])
+local cur = redis.call('HMGET', KEYS[1], 'start', 'end')
+local cs, ce = tonumber(cur[1]), tonumber(cur[2])
+if ce and ce >= start then
+  start = math.min(start, cs)
+  stop = math.max(stop, ce)
+elseif ce and ce > stop then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'start', string.format('%.6f', start), 'end', string.format('%.6f', stop))
+redis.call('EXPIRE', KEYS[1], 86400)
+return 1
+"""
+
+# Who counts as alive now, on Redis's clock. KEYS: seen zset, info hash, outage hash.
+# ARGV: ttl, and optionally the start and end of an outage the caller saw itself (end ''
+# for "until now"). Alive: a heartbeat within the last ttl of serving, not counting an outage
+# that ended less than a ttl ago. Returns Redis's time, then the infos of the workers alive.
+_LIVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local ttl = tonumber(ARGV[1])
+local cutoff = now - ttl
+local outages = {redis.call('HMGET', KEYS[3], 'start', 'end')}
+if ARGV[2] and ARGV[2] ~= '' then
+  outages[2] = {ARGV[2], ARGV[3] ~= '' and ARGV[3] or tostring(now)}
+end
+for _, o in ipairs(outages) do
+  local s, e = tonumber(o[1]), tonumber(o[2])
+  if s and e and s < e and now - e < ttl then
+    cutoff = math.min(cutoff, s + (now - e) - ttl)
+  end
+end
+local names = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. string.format('%.6f', cutoff), '+inf')
+local out = {string.format('%.6f', now)}
+if #names > 0 then
+  for _, raw in ipairs(redis.call('HMGET', KEYS[2], unpack(names))) do
+    if raw then table.insert(out, raw) end
+  end
+end
+return out
+"""
+
+# KEYS: seen zset. ARGV: ttl. Returns Redis's time, then name, score pairs of the workers
+# whose last heartbeat is more than ttl old.
+_STALE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local out = {string.format('%.6f', now)}
+for _, v in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.6f', now - tonumber(ARGV[1])), 'WITHSCORES')) do
+  table.insert(out, v)
+end
+return out
+"""
+
 # KEYS: seen zset, info hash. ARGV: name, the heartbeat time the caller found stale.
 _FORGET = """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
@@ -45,13 +121,21 @@ class Registry:
     def __init__(self, client: redis.Redis, ttl: float):
         self.r = client
         self.ttl = ttl
+        self._beat = client.register_script(_BEAT)
+        self._outage = client.register_script(_OUTAGE)
+        self._live = client.register_script(_LIVE)
+        self._stale = client.register_script(_STALE)
         self._forget = client.register_script(_FORGET)
 
-    def announce(self, info: WorkerInfo) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(keys.WORKERS, info.name, info.model_dump_json())
-        pipe.zadd(keys.WORKERS_SEEN, {info.name: time.time()})
-        pipe.execute()
+    def announce(self, info: WorkerInfo) -> tuple[float, float | None]:
+        """Record a heartbeat; returns Redis's time of it and of this worker's previous one
+        (None if it had none)."""
+        now, prev = self._beat(keys=[keys.WORKERS_SEEN, keys.WORKERS], args=[info.name, info.model_dump_json()])
+        return float(now), (float(prev) if prev else None)
+
+    def outage(self, start: float, end: float) -> None:
+        """Record that Redis did not serve (this caller) from `start` to `end` (its times)."""
+        self._outage(keys=[keys.WORKERS_OUTAGE], args=[repr(start), repr(end)])
 
     def withdraw(self, *names: str) -> None:
         pipe = self.r.pipeline(transaction=True)
@@ -61,16 +145,28 @@ class Registry:
 
     def live(self) -> list[WorkerInfo]:
         """Workers that are alive and take new jobs."""
-        now = time.time()
-        names = self.r.zrangebyscore(keys.WORKERS_SEEN, now - self.ttl, "+inf")
-        if not names:
-            return []
-        infos = (WorkerInfo.model_validate_json(raw) for raw in self.r.hmget(keys.WORKERS, names) if raw)
-        return [w for w in infos if not w.draining]
+        return self.live_at()[1]
+
+    def live_at(self, outage: tuple[float, float | None] | None = None) -> tuple[float, list[WorkerInfo]]:
+        """Redis's time and the workers alive and taking new jobs then. `outage`: one the
+        caller saw itself (start, end; end None: it ended just now), counted as the outages
+        workers record."""
+        args: list[str] = [repr(self.ttl)]
+        if outage is not None:
+            args += [repr(outage[0]), "" if outage[1] is None else repr(outage[1])]
+        now, *raws = self._live(keys=[keys.WORKERS_SEEN, keys.WORKERS, keys.WORKERS_OUTAGE], args=args)
+        infos = (WorkerInfo.model_validate_json(raw) for raw in raws)
+        return float(now), [w for w in infos if not w.draining]
 
     def stale(self) -> list[tuple[str, float]]:
         """Workers whose heartbeats stopped: (name, time of the last one)."""
-        return self.r.zrangebyscore(keys.WORKERS_SEEN, "-inf", time.time() - self.ttl, withscores=True)
+        return self.stale_at()[1]
+
+    def stale_at(self) -> tuple[float, list[tuple[str, float]]]:
+        """Redis's time, and the workers whose last heartbeat is more than ttl older:
+        (name, time of the last one)."""
+        now, *flat = self._stale(keys=[keys.WORKERS_SEEN], args=[repr(self.ttl)])
+        return float(now), [(flat[i], float(flat[i + 1])) for i in range(0, len(flat), 2)]
 
     def forget(self, name: str, seen: float) -> bool:
         """Withdraw a stale worker unless it announced itself again since `seen`."""

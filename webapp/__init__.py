@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import redis
 from flask import Flask
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from tasks.celery_app import SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
+from tasks.celery_app import BLOCKING_SOCKET_TIMEOUT_S, SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
 from tasks.config import Settings, get_settings
-from webapp import auth, batches, errors, metrics, openapi
+from webapp import auth, batches, completions, errors, ids, metrics, openapi
 from webapp.routes import health, jobs, openai, teaching
 from webapp.service import EXTENSION, JobService
 
@@ -20,22 +22,31 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json.sort_keys = False
 
     # One connection per open request at most: a blocked wait or stream holds one. While Redis
-    # is down a call fails within seconds (the route answers 503); the socket timeout stays
-    # above the longest blocking XREAD (tasks.jobs.MAX_BLOCK_S, tasks.streams.BLOCK_S). The
-    # client reconnects by itself once Redis is back.
-    client = redis.Redis.from_url(
-        settings.redis_url,
-        decode_responses=True,
-        health_check_interval=30,
-        max_connections=settings.api_connections + 32,
-        socket_connect_timeout=SENDER_CONNECT_TIMEOUT_S,
-        socket_timeout=SENDER_SOCKET_TIMEOUT_S,
-    )
-    app.extensions[EXTENSION] = JobService(settings, client, make_sender(settings))
+    # is down or frozen a call fails within a second (the route answers 503 at once): a short
+    # socket timeout, and one retry for a refused or reset connection only (a pooled one that
+    # went stale when Redis restarted), none for a timeout (redis-py's default retries ten
+    # times). The blocking reads (XREAD BLOCK: tasks.jobs.MAX_BLOCK_S, tasks.streams.BLOCK_S)
+    # go through a client of their own, whose socket timeout stays above the longest block.
+    # Both reconnect by themselves once Redis is back.
+    def redis_client(socket_timeout: float) -> redis.Redis:
+        return redis.Redis.from_url(
+            settings.redis_url,
+            decode_responses=True,
+            health_check_interval=30,
+            max_connections=settings.api_connections + 32,
+            socket_connect_timeout=SENDER_CONNECT_TIMEOUT_S,
+            socket_timeout=socket_timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        )
+
+    client, blocking = redis_client(SENDER_SOCKET_TIMEOUT_S), redis_client(BLOCKING_SOCKET_TIMEOUT_S)
+    app.extensions[EXTENSION] = service = JobService(settings, client, make_sender(settings), blocking)
+    app.extensions[completions.EXTENSION] = completions.CompletionService(service)
 
     errors.register(app)
     metrics.init_app(app, settings)
     auth.init_app(app, settings)
+    ids.init_app(app)  # after auth: its 401 comes first
     openapi.init_app(app)
     for bp in (health.bp, jobs.bp, teaching.bp, openai.bp):
         app.register_blueprint(bp)

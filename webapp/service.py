@@ -74,14 +74,21 @@ def current_service() -> "JobService":
 
 
 class JobService:
-    def __init__(self, settings: Settings, client: redis.Redis, celery: Celery):
+    def __init__(self, settings: Settings, client: redis.Redis, celery: Celery, blocking: redis.Redis | None = None):
+        """`blocking`: the Redis client for blocking reads (XREAD BLOCK), whose socket timeout
+        is above the longest block, where `client`'s is short (webapp/__init__.py)."""
         self.settings = settings
         self.r = client
+        self.blocking = blocking or client
         self.celery = celery
-        self.store = JobStore(client, settings.result_ttl)
+        self.store = JobStore(client, settings.result_ttl, blocking=self.blocking)
         self.registry = Registry(client, settings.heartbeat_ttl)
         self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
         self._workers_lock = threading.Lock()
+        # The Redis outage this process saw itself (tasks/registry.py): Redis's time of the
+        # last look before it, then of the first after it (None while it lasts).
+        self._redis_seen: tuple[float, float] = (0.0, 0.0)  # Redis's time, ours, at the last look
+        self._outage: tuple[float, float | None] | None = None
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -90,9 +97,36 @@ class JobService:
         with self._workers_lock:
             at, workers = self._workers
             if fresh or now - at > WORKERS_CACHE_S:
-                workers = self.registry.live()
+                workers = self._live()
                 self._workers = (now, workers)
             return workers
+
+    def _live(self) -> list[WorkerInfo]:
+        """The live workers. Right after an outage this process saw (a look that failed),
+        those alive when it began still count for a heartbeat TTL (tasks/registry.py): every
+        heartbeat is old the moment Redis is back, and readiness must not wait for new ones."""
+        try:
+            redis_now, workers = self.registry.live_at(self._outage)
+        except BROKER_ERRORS:
+            self.redis_failed()
+            raise
+        if self._outage is not None and self._outage[1] is None:
+            self._outage = (self._outage[0], redis_now)
+        elif self._outage is not None and redis_now - self._outage[1] > self.settings.heartbeat_ttl:
+            self._outage = None
+        self._redis_seen = (redis_now, time.time())
+        return workers
+
+    def redis_failed(self) -> None:
+        """A call to Redis failed: an outage began, no later than now and no earlier than
+        the last look that succeeded (nor a TTL before now: an idle API looks seldom)."""
+        if self._outage is not None and self._outage[1] is None:
+            return
+        redis_at, local_at = self._redis_seen
+        if not redis_at:
+            return
+        now = redis_at + (time.time() - local_at)  # Redis's clock, as of our last look
+        self._outage = (max(redis_at, now - self.settings.heartbeat_ttl), None)
 
     def workers_for(self, model: str) -> list[WorkerInfo]:
         return [w for w in self.live_workers() if w.model == model]
@@ -174,25 +208,24 @@ class JobService:
             )
         return params
 
-    def submit(
+    def enqueue(
         self,
         prompts: list[str],
         params: SamplingParams,
-        model: str | None,
+        model: str,
         stream: bool = True,
         sched: Scheduling | None = None,
         owner: ApiKey | None = None,
         n: int = 1,
     ) -> list[str]:
-        """Record and enqueue one job per prompt; returns their ids in order. `stream=False`
+        """Record and enqueue one job per prompt, for a request that has been validated and
+        whose model is resolved (webapp.completions.CompletionService.submit does both); returns
+        their ids in order. `stream=False`
         for jobs whose ids never reach a client: nobody could follow their token streams.
         `sched`: the jobs' priority and deadline. `owner`: the request's API key (None: the API
         is open); the jobs carry its name and count against its quota. `n`: jobs per prompt
         (OpenAI's `n`), in a row, the j-th with `params.for_choice(j)` (its own seed)."""
         prompts = [p for p in prompts for _ in range(n)]
-        self.validate(prompts, params)
-        params = self.key_limits(prompts, params, owner)
-        model = self.resolve_model(model)
         queue = queue_for(model)
         sched = sched or Scheduling()
         deadline = sched.deadline_from(time.time())
@@ -313,7 +346,7 @@ class JobService:
         when it closes (its client went away) are cancelled."""
         ended: set[str] = set()
         try:
-            for item in follow(self.r, job_ids, self.store.get, after):
+            for item in follow(self.blocking, job_ids, self.store.get, after):
                 if item is not None:
                     job_id, ev = item
                     if isinstance(ev, StreamEnd) or (isinstance(ev, TokenEvent) and ev.finish):

@@ -37,7 +37,13 @@ log = logging.getLogger("genq.worker")
 class Heartbeat(threading.Thread):
     """Announces the worker every `interval` and, on the same beat, restores the jobs of
     workers whose heartbeats stopped; every `reconcile_every`, republishes jobs whose messages
-    were lost (worker/recovery.py)."""
+    were lost (worker/recovery.py).
+
+    Only a worker that has itself beaten without a break for a whole `ttl`, on Redis's clock,
+    judges others: after a Redis outage or restart (a failed call, or a beat that found its own
+    previous one more than `gap` old) every other worker gets a full ttl to beat again, however
+    long the outage lasted. A beat that was held up for longer than `gap` records the outage
+    for the API's readiness (tasks/registry.py)."""
 
     def __init__(
         self, registry: Registry, info: WorkerInfo, interval: float, reaper: Reaper, reconcile_every: float
@@ -45,21 +51,47 @@ class Heartbeat(threading.Thread):
         super().__init__(name="genq-heartbeat", daemon=True)
         self.registry, self.info, self.interval, self.reaper = registry, info, interval, reaper
         self.reconcile_every = reconcile_every
+        self.ttl = registry.ttl
+        # A break in our own beats longer than this (a beat is due every interval) means Redis
+        # did not serve us for a while; so long as it is under the ttl, the others' beats
+        # fell due in it too.
+        self.gap = max(self.ttl / 2, interval * 1.5)
+        self.unbroken_since: float | None = None  # Redis's time of our first beat since a break
         self.stopped = threading.Event()
 
     def run(self) -> None:
         reconciled = time.monotonic()
+        failed = False
         while not self.stopped.is_set():
+            called = time.monotonic()
             try:
-                self.registry.announce(self.info)
-                self.reaper.sweep()
-                if time.monotonic() - reconciled >= self.reconcile_every:
-                    reconciled = time.monotonic()
-                    self.reaper.reconcile()
+                now, prev = self.registry.announce(self.info)
+                held = time.monotonic() - called
+                if failed or prev is None or now - prev > self.gap:
+                    if prev is not None and (failed or held > self.gap):
+                        self.registry.outage(prev, now)
+                    self.unbroken_since = now
+                    if prev is not None:
+                        log.warning("Redis did not serve this worker for %.1f s; judging no other "
+                                    "worker for the next %.0f s", now - prev, self.ttl)
+                failed = False
+                if self.judges(now):
+                    # Redis may stall between the two calls: the sweep's own look must still
+                    # find us unbroken.
+                    self.reaper.sweep(lambda t, beat=now: t - beat <= self.gap and self.judges(t))
+                    if time.monotonic() - reconciled >= self.reconcile_every:
+                        reconciled = time.monotonic()
+                        self.reaper.reconcile()
             except (redis.RedisError, KombuError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
+                failed = True
+                self.unbroken_since = None
                 self.reaper.reset()
             self.stopped.wait(self.interval)
+
+    def judges(self, now: float) -> bool:
+        """Whether, at `now` (Redis's time), this worker has beaten without a break for a ttl."""
+        return self.unbroken_since is not None and now - self.unbroken_since >= self.ttl
 
     def drain(self) -> None:
         """Keep beating, but as a worker that takes no new calls."""

@@ -7,10 +7,14 @@ must stay above the longest job (20 minutes by default). genqueue does not wait 
 - a worker starting an attempt records the message's delivery tag in its in-flight hash
   (`genq:inflight:<worker>`, written by the same Lua call that marks the job running);
 - every live worker sweeps the registry each heartbeat; a worker whose heartbeat is older than
-  `heartbeat_ttl` is dead or hung, and its in-flight messages go back to the front of their
+  `heartbeat_ttl` on Redis's clock is dead or hung, and its in-flight messages go back to the front of their
   queue at once, through kombu's own restore path (`_do_restore_message`: the same queue and
   priority, marked redelivered), in a transaction that removes them from `unacked`, so two
   sweepers never restore one message twice;
+- only a sweeper that has beaten without a break for a whole `heartbeat_ttl` judges others:
+  a Redis stall or restart leaves every heartbeat old the moment Redis is back, so after one
+  every worker gets a full ttl to beat again before anyone is declared dead (the same goes for
+  reconciling, which also judges other workers' jobs);
 - the restored message gets a fresh delivery tag: when a hung worker wakes up and acknowledges
   its old tag, that cannot remove the new delivery's entry from `unacked`;
 - a job that has used up `GENQ_MAX_ATTEMPTS` is not restored but fails (`worker_lost`): a job
@@ -85,10 +89,15 @@ class Reaper:
         # Jobs found adrift on the last reconcile pass; acted on when found so again.
         self._adrift: set[str] = set()
 
-    def sweep(self) -> int:
-        """Restore the jobs of every worker whose heartbeat went stale; returns how many."""
+    def sweep(self, judges: Callable[[float], bool] | None = None) -> int:
+        """Restore the jobs of every worker whose heartbeat went stale; returns how many.
+        `judges(t)`: whether this worker may judge others at Redis's time `t` of the look
+        (see worker/__main__.py `Heartbeat`); it sweeps nothing otherwise."""
+        now, stale = self.registry.stale_at()
+        if judges is not None and not judges(now):
+            return 0
         restored = 0
-        for name, seen in self.registry.stale():
+        for name, seen in stale:
             if name == self.me:
                 continue
             restored += self.recover(name)

@@ -1,0 +1,88 @@
+"""Redis frozen (SIGSTOP) for longer than the heartbeat TTL, with two live workers running long
+jobs: nobody is declared dead for Redis's silence, so every job succeeds at its first attempt;
+while Redis is frozen the API answers 503 `broker_unavailable` at once, and it is ready again
+as soon as Redis is back.
+
+The Redis is the test's own (tests/helpers.py `KillableRedis`): the shared one is never frozen.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from scripts import stack as stackmod
+from tests.helpers import KillableRedis, submit
+from tests.test_outage import _error
+
+# A short TTL, to be quick: a stall of twice the TTL leaves every heartbeat stale.
+BEAT = {"GENQ_HEARTBEAT_INTERVAL": "0.5", "GENQ_HEARTBEAT_TTL": "2"}
+STALL_S = 5.0
+
+
+class Frozen:
+    """Redis stopped with SIGSTOP inside the block; always continued on the way out."""
+
+    def __init__(self, db: KillableRedis):
+        self.db = db
+
+    def __enter__(self) -> "Frozen":
+        self.db.proc.signal(signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.db.proc.signal(signal.SIGCONT)
+
+
+@pytest.mark.timeout(300)
+def test_a_redis_stall_longer_than_the_ttl_loses_no_healthy_job(make_stack, tmp_path):
+    db = KillableRedis(tmp_path)
+    s = make_stack(REDIS_URL=db.url, GENQ_MAX_BATCH_SIZE="4", **BEAT)
+    try:
+        s.start_api()
+        workers = [s.start_worker() for _ in range(2)]
+        stackmod.wait_until(lambda: len(s.get("/readyz").json().get("workers", [])) == 2, 90, "2 workers", s.procs)
+        # Long jobs on both workers: still running when Redis comes back, and for a TTL after.
+        ids = [submit(s, prompt=f"Stall {i}: the quick brown fox", max_new_tokens=480, ignore_eos=True)
+               for i in range(8)]  # fmt: skip
+        stackmod.wait_until(
+            lambda: sum(s.get(f"/v1/jobs/{j}").json()["status"] == "running" for j in ids) == 8,
+            60, "the jobs to run on both workers", s.procs,
+        )  # fmt: skip
+
+        for stall in range(2):
+            with Frozen(db):
+                time.sleep(1.0)
+                # 503 at once, not after the client gave up.
+                for path in (f"/v1/jobs/{ids[0]}", "/readyz"):
+                    resp = s.get(path, timeout=5)
+                    assert resp.status_code == 503, (path, resp.status_code, resp.text)
+                    assert _error(resp)["code"] == "broker_unavailable", (path, resp.text)
+                    assert int(resp.headers["Retry-After"]) >= 1
+                time.sleep(STALL_S - 1.0)
+            # Ready as soon as Redis is back: not after the workers' next heartbeats.
+            resp = s.get("/readyz", timeout=10)
+            assert resp.status_code == 200, resp.text
+            assert len(resp.json()["workers"]) == 2, resp.json()
+            time.sleep(1.0)
+
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            recs = [s.get(f"/v1/jobs/{j}").json() for j in ids]
+            if all(r["status"] not in ("queued", "running") for r in recs):
+                break
+            time.sleep(1.0)
+        assert [r["status"] for r in recs] == ["succeeded"] * len(ids), recs
+        assert [r["attempts"] for r in recs] == [1] * len(ids), [(r["attempts"], r.get("error")) for r in recs]
+        # Both workers ran jobs, and both are the processes that started.
+        assert len({r["worker"] for r in recs}) == 2, [r["worker"] for r in recs]
+        assert all(w.alive for w in workers)
+    finally:
+        try:
+            db.proc.signal(signal.SIGCONT)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        s.stop()
+        db.stop()
