@@ -9,7 +9,7 @@ from redis.retry import Retry
 
 from tasks.celery_app import BLOCKING_SOCKET_TIMEOUT_S, SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
 from tasks.config import Settings, get_settings
-from webapp import auth, batches, completions, errors, ids, metrics, openapi
+from webapp import auth, batches, errors, metrics, openapi
 from webapp.routes import health, jobs, openai, teaching
 from webapp.service import EXTENSION, JobService
 
@@ -40,13 +40,11 @@ def create_app(settings: Settings | None = None) -> Flask:
         )
 
     client, blocking = redis_client(SENDER_SOCKET_TIMEOUT_S), redis_client(BLOCKING_SOCKET_TIMEOUT_S)
-    app.extensions[EXTENSION] = service = JobService(settings, client, make_sender(settings), blocking)
-    app.extensions[completions.EXTENSION] = completions.CompletionService(service)
+    app.extensions[EXTENSION] = JobService(settings, client, make_sender(settings), blocking)
 
     errors.register(app)
     metrics.init_app(app, settings)
     auth.init_app(app, settings)
-    ids.init_app(app)  # after auth: its 401 comes first
     openapi.init_app(app)
     for bp in (health.bp, jobs.bp, teaching.bp, openai.bp):
         app.register_blueprint(bp)

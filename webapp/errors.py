@@ -27,18 +27,6 @@ BROKER_ERRORS: tuple[type[Exception], ...] = (
     ConnectionError,
 )
 BROKER_RETRY_AFTER = {"Retry-After": "2"}
-
-# A request body framed wrongly, as gunicorn's body reader raises it while the app reads the
-# body: chunked encoding with a bad chunk size, a chunk without its CRLF, a bad extension or
-# trailer (ParseException's subclasses), or the connection closing mid-body (NoMoreData). A
-# 400: the client's fault. gunicorn closes the connection after the answer (where the next
-# request would start is unknown). Not gunicorn (the Flask test client): none.
-try:
-    from gunicorn.http.errors import NoMoreData, ParseException
-
-    BODY_ERRORS: tuple[type[Exception], ...] = (ParseException, NoMoreData)
-except ImportError:  # pragma: no cover
-    BODY_ERRORS = ()
 BROKER_UNAVAILABLE = {
     "code": "broker_unavailable",
     "message": "the job queue (Redis) is unavailable; try again shortly",
@@ -139,20 +127,10 @@ def register(app: Flask) -> None:
 
     def _broker(exc: Exception):
         log.warning("Redis unavailable: %s: %s", type(exc).__name__, exc)
-        service = current_app.extensions.get("genq")  # webapp.service.EXTENSION
-        if service is not None:
-            service.redis_failed()  # readiness is not held up by it once Redis is back
         return error_response(503, **BROKER_UNAVAILABLE, headers=BROKER_RETRY_AFTER)
 
     for cls in BROKER_ERRORS:
         app.register_error_handler(cls, _broker)
-
-    def _body(exc: Exception):
-        why = str(exc) if isinstance(exc, ParseException) else "the connection closed before its end"
-        return error_response(400, "invalid_body", f"the request body is malformed: {why}")
-
-    for cls in BODY_ERRORS:
-        app.register_error_handler(cls, _body)
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException):
@@ -161,5 +139,8 @@ def register(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):
+        service = current_app.extensions.get("genq")  # webapp.service.EXTENSION
+        if service is not None:
+            service.redis_failed()  # readiness is not held up by it once Redis is back
         log.exception("unhandled error")
         return error_response(500, "internal", "internal server error")
