@@ -8,6 +8,7 @@ fails if any child process is still alive at the end.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -94,6 +95,9 @@ class Stack:
         return self.http.post(self.base + path, json=json, timeout=kw.pop("timeout", 120), **kw)
 
     def stop(self) -> None:
+        for proc in self.procs:  # the workers all at once: each takes seconds to shut down
+            if proc.name.startswith("worker") and proc.alive():
+                proc.signal(signal.SIGTERM)
         for proc in reversed(self.procs):
             proc.stop()
         self.http.close()

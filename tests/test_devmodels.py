@@ -215,3 +215,40 @@ def test_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError):
         devmodels.build("tiny", tmp_path / "x", seed=-1)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("arch", sorted(devmodels.ARCHS))
+def test_every_arch_has_a_config_of_each_shape(arch):
+    for shape in devmodels.SHAPES:
+        config_class, model_class, kwargs = devmodels.model_config(arch, shape)
+        config = AutoConfig.for_model(_model_type(config_class), **kwargs)
+        assert config.num_hidden_layers == devmodels.SHAPES[shape]["num_hidden_layers"]
+        assert config.hidden_size // config.num_attention_heads >= 32  # vLLM CPU backend
+        assert config.vocab_size >= devmodels.TOKENIZER_VOCAB[shape]
+
+
+def _model_type(config_class: str) -> str:
+    import transformers
+
+    return getattr(transformers, config_class).model_type
+
+
+def test_arch_checkpoint_loads_as_that_architecture_with_a_chat_template(tmp_path):
+    out = devmodels.build("tiny", tmp_path / "llama", arch="llama")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query
+    assert devmodels.is_built(out, "tiny", arch="llama") and not devmodels.is_built(out, "tiny")
+    assert json.loads((out / devmodels.MARKER_NAME).read_text())["arch"] == "llama"
+    tok = AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "</s><|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\n"
+    assert devmodels.main(["--shape", "tiny", "--arch", "llama", "--out", str(out)]) == 0  # up to date
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == devmodels.CHAT_TEMPLATE
+
+
+def test_architectures_of_one_shape_do_not_share_weights(tmp_path):
+    llama = AutoModelForCausalLM.from_pretrained(devmodels.build("tiny", tmp_path / "l", arch="llama"))
+    mistral = AutoModelForCausalLM.from_pretrained(devmodels.build("tiny", tmp_path / "m", arch="mistral"))
+    assert not torch.equal(llama.model.embed_tokens.weight, mistral.model.embed_tokens.weight)

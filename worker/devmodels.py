@@ -1,4 +1,4 @@
-"""Offline development checkpoints: random-weight OPT models with a locally trained tokenizer.
+"""Offline development checkpoints: random-weight decoders with a locally trained tokenizer.
 
 No model hub is needed.  ``build()`` writes a directory that loads exactly like a Hugging Face
 hub checkpoint::
@@ -6,10 +6,12 @@ hub checkpoint::
     AutoTokenizer.from_pretrained(path)
     AutoModelForCausalLM.from_pretrained(path)
 
-The model is the real OPT architecture (``OPTConfig`` / ``OPTForCausalLM``) with the library's
-standard random initialisation (``init_std`` 0.02), saved as float32 safetensors.  The weights
-depend only on the shape and the seed: the same seed gives a byte-identical
-``model.safetensors``.
+The model is a real architecture (``--arch``: OPT by default, or GPT-2, Llama, Qwen2, Mistral,
+Phi-3, GPT-NeoX, Gemma, each through its own transformers ``*Config`` class) with the library's
+random initialisation, saved as float32 safetensors.  OPT keeps the library's ``init_std`` of
+0.02; the other architectures are initialised at 0.1, so that attention is peaked enough for
+a token fed at a wrong position to change the greedy text within a few tokens.  The weights
+depend only on the architecture, the shape and the seed.
 
 The tokenizer is a byte-level BPE like GPT-2/OPT, trained with the ``tokenizers`` library on the
 ``.py`` sources of the running interpreter's standard library (read in sorted order, so the
@@ -24,10 +26,12 @@ loading, batching, streaming and the serving path without downloading anything.
 
 Command line::
 
-    python -m worker.devmodels --shape tiny|opt-125m --out DIR [--seed 0] [--force]
+    python -m worker.devmodels --shape tiny|opt-125m --out DIR [--arch opt] [--seed 0] [--force]
 
-If DIR already holds a complete checkpoint built by this module with the same shape, seed and
-format version (see the ``genq-devmodel.json`` marker), nothing is done unless ``--force``.  A
+The tokenizer carries a simple chat template (``CHAT_TEMPLATE``), so chat works out of the box.
+
+If DIR already holds a complete checkpoint built by this module with the same arch, shape, seed
+and format version (see the ``genq-devmodel.json`` marker), nothing is done unless ``--force``.  A
 build is written to a temporary directory beside DIR and renamed into place at the end, so an
 interrupted build never leaves a half-written checkpoint.  An existing non-empty DIR that was not
 built by this module is never replaced.
@@ -45,10 +49,13 @@ import sys
 import sysconfig
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
 __all__ = [
+    "ARCHS",
+    "CHAT_TEMPLATE",
     "SHAPES",
     "TOKENIZER_VOCAB",
     "SPECIAL_TOKENS",
@@ -61,7 +68,7 @@ __all__ = [
 ]
 
 #: Bump when the on-disk layout or the recipe changes: existing checkpoints are then rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 #: Marker file written (last) into every checkpoint built here.
 MARKER_NAME = "genq-devmodel.json"
@@ -120,6 +127,107 @@ SHAPES: dict[str, dict[str, Any]] = {
 #: (as in OPT, whose tokenizer has 50265 entries and whose model has 50272 rows).
 TOKENIZER_VOCAB: dict[str, int] = {"tiny": 4000, "opt-125m": 50265}
 
+#: A simple chat template in the dev tokenizer (Jinja2, as transformers and vLLM render it):
+#: each message as ``<|role|>`` and its text, ended by ``</s>``; content may be a string or a
+#: list of text parts.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{% if not (loop.last and continue_final_message) %}{{ eos_token + '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+# Weight scale of the architectures other than OPT (see the module docstring).
+_INIT = 0.1
+_IDS = {"pad_token_id": PAD_TOKEN_ID, "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID}
+
+
+def _rotary(config_class: str, model_class: str, kv_heads: int | None = None, **extra: Any):
+    """Config kwargs of a Llama-like decoder (rotary positions, RMS norm, gated MLP)."""
+
+    def make(size: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+        heads = size["num_attention_heads"]
+        return config_class, model_class, {
+            "vocab_size": size["vocab_size"],
+            "hidden_size": size["hidden_size"],
+            "intermediate_size": size["ffn_dim"],
+            "num_hidden_layers": size["num_hidden_layers"],
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads(heads) if callable(kv_heads) else heads,
+            "max_position_embeddings": size["max_position_embeddings"],
+            "initializer_range": _INIT,
+            "tie_word_embeddings": False,
+            **_IDS,
+            **{k: v(size) if callable(v) else v for k, v in extra.items()},
+        }
+
+    return make
+
+
+def _gpt2(size: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    return "GPT2Config", "GPT2LMHeadModel", {
+        "vocab_size": size["vocab_size"],
+        "n_embd": size["hidden_size"],
+        "n_layer": size["num_hidden_layers"],
+        "n_head": size["num_attention_heads"],
+        "n_inner": size["ffn_dim"],
+        "n_positions": size["max_position_embeddings"],
+        "initializer_range": _INIT,
+        **_IDS,
+    }
+
+
+def _gpt_neox(size: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    return "GPTNeoXConfig", "GPTNeoXForCausalLM", {
+        "vocab_size": size["vocab_size"],
+        "hidden_size": size["hidden_size"],
+        "intermediate_size": size["ffn_dim"],
+        "num_hidden_layers": size["num_hidden_layers"],
+        "num_attention_heads": size["num_attention_heads"],
+        "max_position_embeddings": size["max_position_embeddings"],
+        "rotary_pct": 0.25,  # Pythia's partial rotary
+        "use_parallel_residual": True,
+        "initializer_range": _INIT,
+        "tie_word_embeddings": False,
+        **_IDS,
+    }
+
+
+def _half(heads: int) -> int:
+    return max(1, heads // 2)
+
+
+#: Each architecture ``--arch`` builds: size -> (config class, model class, config kwargs).
+#: The sizes are SHAPES' (hidden size, layers, heads, feed-forward width, vocabulary, context).
+ARCHS: dict[str, Any] = {
+    "opt": None,  # SHAPES itself
+    "gpt2": _gpt2,
+    "llama": _rotary("LlamaConfig", "LlamaForCausalLM", kv_heads=_half),
+    "qwen2": _rotary("Qwen2Config", "Qwen2ForCausalLM", kv_heads=_half),
+    # A sliding window shorter than the context, as Mistral 7B v0.1 has (4096 of 32768).
+    "mistral": _rotary("MistralConfig", "MistralForCausalLM", kv_heads=_half,
+                       sliding_window=lambda size: size["max_position_embeddings"] // 2),
+    "phi3": _rotary("Phi3Config", "Phi3ForCausalLM"),
+    "gpt_neox": _gpt_neox,
+    "gemma": _rotary("GemmaConfig", "GemmaForCausalLM", kv_heads=lambda heads: 1,
+                     head_dim=lambda size: size["hidden_size"] // size["num_attention_heads"]),
+}
+
+
+def model_config(arch: str, shape: str) -> tuple[str, str, dict[str, Any]]:
+    """(config class, model class, config kwargs) of ``arch`` at ``shape``'s size."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+    if ARCHS[arch] is None:
+        return "OPTConfig", "OPTForCausalLM", dict(SHAPES[shape])
+    return ARCHS[arch](SHAPES[shape])
+
 # Cap on training text per shape (characters).  The whole 3.11 stdlib is ~12.6M characters and
 # trains the 50k tokenizer in a few seconds.
 _CORPUS_CHARS: dict[str, int] = {"tiny": 2_000_000, "opt-125m": 16_000_000}
@@ -139,33 +247,35 @@ _REQUIRED_FILES = (
 # --------------------------------------------------------------------------------------------
 
 
-def build(shape: str, out: str | os.PathLike[str], seed: int = 0, force: bool = False) -> Path:
-    """Build a ``shape`` checkpoint into ``out`` and return its absolute path.
+def build(shape: str, out: str | os.PathLike[str], seed: int = 0, force: bool = False, arch: str = "opt") -> Path:
+    """Build an ``arch`` checkpoint of ``shape``'s size into ``out``; return its absolute path.
 
-    Does nothing if ``out`` already holds a complete checkpoint of the same shape, seed and
-    format version, unless ``force``.  A checkpoint of another shape/seed built by this module
-    is replaced.  A non-empty directory that this module did not build raises
+    Does nothing if ``out`` already holds a complete checkpoint of the same arch, shape, seed
+    and format version, unless ``force``.  A checkpoint of another arch/shape/seed built by this
+    module is replaced.  A non-empty directory that this module did not build raises
     ``FileExistsError`` (even with ``force``), so a mistyped ``out`` cannot delete anything else.
     """
-    return _build(shape, out, seed, force)[0]
+    return _build(shape, out, seed, force, arch)[0]
 
 
-def ensure(shape: str, out: str | os.PathLike[str], seed: int = 0) -> Path:
+def ensure(shape: str, out: str | os.PathLike[str], seed: int = 0, arch: str = "opt") -> Path:
     """Return ``out``, building the checkpoint first only if it is missing or different."""
-    return build(shape, out, seed=seed, force=False)
+    return build(shape, out, seed=seed, force=False, arch=arch)
 
 
-def is_built(out: str | os.PathLike[str], shape: str, seed: int = 0) -> bool:
-    """True if ``out`` holds a complete checkpoint of ``shape``/``seed`` from this version."""
+def is_built(out: str | os.PathLike[str], shape: str, seed: int = 0, arch: str = "opt") -> bool:
+    """True if ``out`` holds a complete ``arch`` checkpoint of ``shape``/``seed`` from this
+    version."""
     out = Path(out)
     marker = _read_marker(out)
-    if marker is None:
+    if marker is None or arch not in ARCHS or shape not in SHAPES:
         return False
     return (
         marker.get("format_version") == FORMAT_VERSION
+        and marker.get("arch", "opt") == arch
         and marker.get("shape") == shape
         and marker.get("seed") == seed
-        and marker.get("config") == _jsonable(SHAPES.get(shape))
+        and marker.get("config") == _jsonable(model_config(arch, shape)[2])
         and marker.get("tokenizer_target_vocab") == TOKENIZER_VOCAB.get(shape)
         and all((out / name).is_file() for name in _REQUIRED_FILES)
     )
@@ -176,14 +286,13 @@ def is_built(out: str | os.PathLike[str], shape: str, seed: int = 0) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _build(shape: str, out: str | os.PathLike[str], seed: int, force: bool) -> tuple[Path, bool]:
+def _build(shape: str, out: str | os.PathLike[str], seed: int, force: bool, arch: str = "opt") -> tuple[Path, bool]:
     """``build``; also says whether this call wrote the checkpoint."""
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+    model_config(arch, shape)  # raises on an unknown arch or shape
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     out = Path(out).expanduser().absolute()
-    if not force and is_built(out, shape, seed):
+    if not force and is_built(out, shape, seed, arch):
         return out, False  # fast path: no lock, no writes (works on a read-only mount)
     _check_replaceable(out)  # fail early, before creating anything; re-checked under the lock
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -191,13 +300,13 @@ def _build(shape: str, out: str | os.PathLike[str], seed: int, force: bool) -> t
     with _lock(out) as exclusive:
         if exclusive:  # no other build of `out` can be running: clear up killed ones
             _remove_leftovers(out)
-        if not force and is_built(out, shape, seed):
+        if not force and is_built(out, shape, seed, arch):
             return out, False  # another process built it while we waited for the lock
         _check_replaceable(out)
 
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            _write_checkpoint(tmp, shape, seed)
+            _write_checkpoint(tmp, shape, seed, arch)
             _set_permissions(tmp)
             _swap_into_place(tmp, out)
         except BaseException:
@@ -206,10 +315,10 @@ def _build(shape: str, out: str | os.PathLike[str], seed: int, force: bool) -> t
     return out, True
 
 
-def _write_checkpoint(dest: Path, shape: str, seed: int) -> None:
+def _write_checkpoint(dest: Path, shape: str, seed: int, arch: str = "opt") -> None:
     started = time.monotonic()
     corpus_info, tok_len = _write_tokenizer(dest, shape)
-    n_params = _write_model(dest, shape, seed)
+    n_params = _write_model(dest, shape, seed, arch)
     if tok_len > SHAPES[shape]["vocab_size"]:  # cannot happen with TOKENIZER_VOCAB <= vocab_size
         raise RuntimeError(f"tokenizer has {tok_len} tokens > model vocab {SHAPES[shape]['vocab_size']}")
 
@@ -219,9 +328,10 @@ def _write_checkpoint(dest: Path, shape: str, seed: int) -> None:
 
     marker = {
         "format_version": FORMAT_VERSION,
+        "arch": arch,
         "shape": shape,
         "seed": seed,
-        "config": _jsonable(SHAPES[shape]),
+        "config": _jsonable(model_config(arch, shape)[2]),
         "tokenizer_target_vocab": TOKENIZER_VOCAB[shape],
         "tokenizer_len": tok_len,
         "parameters": n_params,
@@ -238,20 +348,23 @@ def _write_checkpoint(dest: Path, shape: str, seed: int) -> None:
     (dest / MARKER_NAME).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
 
 
-def _write_model(dest: Path, shape: str, seed: int) -> int:
+def _write_model(dest: Path, shape: str, seed: int, arch: str = "opt") -> int:
     import torch
-    from transformers import GenerationConfig, OPTConfig, OPTForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
-    config = OPTConfig(**SHAPES[shape])
-    config.architectures = ["OPTForCausalLM"]
+    config_class, model_class, kwargs = model_config(arch, shape)
+    config = getattr(transformers, config_class)(**kwargs)
+    config.architectures = [model_class]
     # fork_rng: seeding here must not disturb the caller's global RNG state; and initialise in
     # float32 whatever default dtype the caller set, so the bytes depend on the seed alone.
     default_dtype = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):
         torch.set_default_dtype(torch.float32)
         try:
-            torch.manual_seed(seed)
-            model = OPTForCausalLM(config)
+            # Architectures of the same shape (Llama, Mistral) must not share weights.
+            torch.manual_seed(seed if arch == "opt" else seed + zlib.crc32(arch.encode()))
+            model = getattr(transformers, model_class)(config)
         finally:
             torch.set_default_dtype(default_dtype)
     model = model.to(torch.float32).eval()
@@ -305,6 +418,7 @@ def _write_tokenizer(dest: Path, shape: str) -> tuple[dict[str, Any], int]:
         truncation_side="right",
         clean_up_tokenization_spaces=False,  # decode must give back the text exactly
     )
+    hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(dest)
 
     # Name a class every transformers version knows: v5 writes "TokenizersBackend", which v4
@@ -314,6 +428,7 @@ def _write_tokenizer(dest: Path, shape: str) -> tuple[dict[str, Any], int]:
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg.update(add_bos_token=True, add_eos_token=False)  # as facebook/opt-* declares
+    cfg["chat_template"] = CHAT_TEMPLATE  # where transformers 4 (vLLM's) looks for it
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     return corpus_info, len(hf_tok)
 
@@ -462,10 +577,11 @@ def _jsonable(obj: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m worker.devmodels",
-        description="Build a random-weight OPT checkpoint with a locally trained byte-level BPE "
+        description="Build a random-weight decoder checkpoint with a locally trained byte-level BPE "
         "tokenizer, loadable offline with AutoTokenizer/AutoModelForCausalLM.from_pretrained.",
     )
-    parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    parser.add_argument("--shape", required=True, choices=sorted(SHAPES), help="the size (opt-125m: that model's)")
+    parser.add_argument("--arch", default="opt", choices=sorted(ARCHS), help="the architecture (default opt)")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
@@ -475,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     try:
-        out, built = _build(args.shape, args.out, args.seed, args.force)
+        out, built = _build(args.shape, args.out, args.seed, args.force, args.arch)
     except FileExistsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -486,9 +602,9 @@ def main(argv: list[str] | None = None) -> int:
 
     marker = _read_marker(out) or {}
     cfg = SHAPES[args.shape]
-    print(f"devmodel {args.shape} (seed {args.seed}) at {out}: {action}")
+    print(f"devmodel {args.arch} {args.shape} (seed {args.seed}) at {out}: {action}")
     print(
-        f"OPT {marker.get('parameters', 0) / 1e6:.1f}M params, hidden {cfg['hidden_size']}, "
+        f"{args.arch} {marker.get('parameters', 0) / 1e6:.1f}M params, hidden {cfg['hidden_size']}, "
         f"{cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads, "
         f"max_pos {cfg['max_position_embeddings']}, model vocab {cfg['vocab_size']}, "
         f"tokenizer {marker.get('tokenizer_len', '?')} tokens, float32 safetensors"

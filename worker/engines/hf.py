@@ -4,10 +4,13 @@ One scheduler thread owns the model. Between two decode steps it admits every jo
 arrived (one left-padded prefill for all of them, whose keys/values are then copied into free
 rows of the batch's preallocated KV cache, worker/engines/kvcache.py) and drops every job that
 has finished, been cancelled or run out of time, so a job never waits for a whole batch to
-end before it starts. Each decode step feeds every running job's last token at once. Positions come from the attention mask (OPT derives them from its
-cumulative sum), so the left padding that joins sequences of different lengths is invisible to
-the model; columns that every row pads leave the cache's window whenever rows leave. A decode
-step writes the new keys/values in place: nothing but the matmuls grows with the batch's length.
+end before it starts. Each decode step feeds every running job's last token at once, with each
+row's own position (`position_ids`: the tokens it has fed so far), so the left padding that
+joins sequences of different lengths, and the columns of a row that joined late or sat a step
+out, are invisible to the model; worker/engines/arch.py checks at load that the architecture
+honours them, and refuses one that cannot be batched exactly. Columns that every row pads leave
+the cache's window whenever rows leave. A decode step writes the new keys/values in place:
+nothing but the matmuls grows with the batch's length.
 
 Greedy decoding here gives the same tokens as `model.generate(do_sample=False)` on the same
 prompt, which the tests check through the whole queue. vLLM's penalties, `min_tokens` and
@@ -25,14 +28,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from tasks.config import Settings
 from tasks.schemas import GenerationResult, JobSpec, Logprobs
 from tasks.streams import TokenEvent
 from worker import metrics
-from worker.engines import packed
+from worker.engines import arch, packed
 from worker.engines.base import DirectSink, Engine, GenerationError, JobCancelled, Resolved, Sink
 from worker.engines.dtype import resolve as resolve_dtype
 from worker.engines.kvcache import SlotKV
@@ -101,11 +104,14 @@ class HFEngine(Engine):
         self.tok = AutoTokenizer.from_pretrained(settings.model)
         dtype, why = resolve_dtype(settings.dtype)
         log.info("weights in %s (%s)", dtype, why)
-        self.lm = AutoModelForCausalLM.from_pretrained(settings.model, dtype=getattr(torch, dtype)).eval()
-        cfg = self.lm.config
-        self.max_model_len = getattr(cfg, "max_position_embeddings", None)
+        cfg = AutoConfig.from_pretrained(settings.model)
+        self.max_model_len, notes = arch.prepare(cfg)  # raises for a model it cannot batch exactly
+        for note in notes:
+            log.info("%s: %s", cfg.model_type, note)
+        self.lm = AutoModelForCausalLM.from_pretrained(settings.model, config=cfg, dtype=getattr(torch, dtype)).eval()
         self.eos = self.tok.eos_token_id if self.tok.eos_token_id is not None else cfg.eos_token_id
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos
+        arch.probe(self.lm, self.pad)
 
         self._inbox: queue.SimpleQueue[_Seq | None] = queue.SimpleQueue()
         # Jobs taken from the inbox that found no room yet (background ones at their limit).
@@ -119,9 +125,7 @@ class HFEngine(Engine):
         # in place, worker/engines/kvcache.py) cover every token fed so far; `_next` holds each
         # row's newest token, which the next step feeds.
         self._seqs: list[_Seq] = []
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self._kv = SlotKV(cfg.num_hidden_layers, heads, head_dim, self.lm.dtype, self.capacity)
+        self._kv = SlotKV.for_model(cfg, self.lm.dtype, self.capacity)
         self._next: torch.Tensor | None = None
         # The batch's logits processors (None while no row needs any) and the rows that want
         # log-probabilities, both in step with `_seqs`.
@@ -318,7 +322,10 @@ class HFEngine(Engine):
             n = len(tokens)
             ids[row, width - n :] = torch.tensor(tokens)
             mask[row, width - n :] = 1
-        out = self.lm(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        # Each row's own positions, whatever its left padding (OPT derives them from the mask;
+        # most architectures would otherwise number every row's columns from 0 alike).
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         raw = out.logits[:, -1, :]
         procs = RowProcessors.build(
             [s.spec.params for s in new], fed,
@@ -356,6 +363,7 @@ class HFEngine(Engine):
         metrics.decode_step(batch)
         out = self.lm(
             input_ids=self._next[:batch],
+            position_ids=self._kv.positions(batch),
             attention_mask=self._kv.step_mask(batch),
             past_key_values=self._kv.cache,
             use_cache=True,

@@ -70,6 +70,13 @@ class SlotKV:
         self.mask = torch.zeros((0, 0), dtype=torch.long)
         self.cache = Cache(layers=[_SlotLayer(self, i) for i in range(layers)])
 
+    @classmethod
+    def for_model(cls, config, dtype: torch.dtype, max_rows: int) -> "SlotKV":
+        """Buffers shaped for `config`'s layers, key/value heads and head size."""
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, heads, head_dim, dtype, max_rows)
+
     @property
     def length(self) -> int:
         return self.end - self.start
@@ -78,6 +85,12 @@ class SlotKV:
         return self.mask[: self.rows, self.start : self.end]
 
     # -- a decode step -------------------------------------------------------------------
+
+    def positions(self, active: int) -> torch.Tensor:
+        """The position of the token each of the first `active` rows feeds next: the number
+        of tokens the row has fed so far (its unmasked columns), `[active, 1]`. Call it
+        before `step_mask`, which unmasks the new column."""
+        return self.mask[:active, self.start : self.end].sum(-1, keepdim=True)
 
     def step_mask(self, active: int | None = None) -> torch.Tensor:
         """The attention mask for one more token in each of the first `active` rows (all by

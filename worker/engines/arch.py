@@ -1,0 +1,134 @@
+"""What the hf engine needs of an architecture to batch it exactly, checked when it loads.
+
+The engine joins rows of different lengths with left padding and admits rows into a batch that
+is already decoding, so each row's tokens sit at other cache columns than its positions. That
+is exact only where the model takes each row's positions from `position_ids` (which the engine
+passes on every forward) and its padding from the attention mask. What breaks it, and what is
+done about each:
+
+- a sliding window (Mistral v0.1, Phi-3 mini, Qwen2 with `use_sliding_window`) masks by cache
+  column, which is not the row's position: the context is capped at the window, inside which
+  sliding and full attention are the same, and the model runs with full attention;
+- rotary frequencies that change with the sequence's length (`dynamic`, `longrope`: the whole
+  batch would switch on its longest row): the context is capped at the length below which they
+  do not change;
+- encoder-decoders, and layers that are not attention (Mamba, linear attention), or sliding
+  windows interleaved with other per-layer differences (Gemma 2/3): refused;
+- anything else a model does differently: `probe` joins a row to a longer one's batch as the
+  engine does, decodes, and refuses the model if its logits differ from the row's alone.
+
+A refusal raises `UnsupportedModel`, naming the architecture and the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Architectures whose sliding window changes nothing but the attention mask.
+_MASK_ONLY_SLIDING = {"mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "starcoder2"}
+_LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+
+
+class UnsupportedModel(ValueError):
+    """The hf engine cannot batch this model exactly."""
+
+
+def _name(config) -> str:
+    archs = getattr(config, "architectures", None) or [config.model_type]
+    return f"{archs[0]} ({config.model_type})"
+
+
+def prepare(config) -> tuple[int | None, list[str]]:
+    """Check `config` and adjust it, before the model is built from it, so that batching is
+    exact: returns the context the engine may use (None: no limit known) and what was changed,
+    for the log. Raises `UnsupportedModel`."""
+    name = _name(config)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(f"{name} is an encoder-decoder; the hf engine serves decoder-only models")
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    notes: list[str] = []
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted(set(layer_types) - _ATTENTION_LAYERS)
+    if other:
+        raise UnsupportedModel(
+            f"{name} has {', '.join(other)} layers; the hf engine batches attention layers only "
+            "(serve it with the vLLM engine)"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window and (not layer_types or "sliding_attention" in layer_types):
+        if config.model_type not in _MASK_ONLY_SLIDING:
+            raise UnsupportedModel(
+                f"{name} uses sliding-window attention the hf engine cannot batch exactly "
+                "(serve it with the vLLM engine)"
+            )
+        if limit is None or window < limit:
+            limit = window
+            notes.append(f"context capped at the sliding window ({window} tokens), full attention inside it")
+        config.sliding_window = None
+        if layer_types:
+            config.layer_types = ["full_attention"] * len(layer_types)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in _LENGTH_DEPENDENT_ROPE:
+        original = rope.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None
+        )
+        original = original or getattr(config, "max_position_embeddings", None)
+        if original and (limit is None or original < limit):
+            limit = original
+            notes.append(
+                f"context capped at {original} tokens, below which its {rope.get('rope_type')} rotary "
+                "frequencies do not change"
+            )
+    return limit, notes
+
+
+def probe(lm, pad: int) -> None:
+    """A row prefilled alone, then joined to a longer row's batch as the engine joins rows
+    (worker/engines/kvcache.py: left-padded columns, positions passed), and decoded two tokens:
+    the same logits as the row alone, or the model is refused. Random token ids, in the model's
+    dtype."""
+    from worker.engines.kvcache import SlotKV
+
+    name = _name(lm.config)
+    if "position_ids" not in inspect.signature(lm.forward).parameters:
+        raise UnsupportedModel(f"{name} takes no position_ids; the hf engine cannot batch it exactly")
+    gen = torch.Generator().manual_seed(0)
+    vocab = lm.config.vocab_size
+    long, short = torch.randint(4, vocab, (1, 11), generator=gen), torch.randint(4, vocab, (1, 5), generator=gen)
+    follow = torch.randint(4, vocab, (2,), generator=gen).tolist()
+    tol = 1e-3 if lm.dtype == torch.float32 else 5e-2
+
+    def run(prompts: list[torch.Tensor]) -> torch.Tensor:
+        """The last row's logits after its prefill and each followed token."""
+        kv = SlotKV.for_model(lm.config, lm.dtype, len(prompts))
+        for ids in prompts:  # one prefill each, as jobs that arrive at different times
+            mask = torch.ones_like(ids)
+            out = lm(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1) - 1, use_cache=True)
+            kv.append(out.past_key_values, mask)
+        logits = [out.logits[0, -1].float()]
+        rows = len(prompts)
+        for token in follow:
+            positions = kv.positions(rows)
+            step = torch.full((rows, 1), token, dtype=torch.long)
+            out = lm(input_ids=step, position_ids=positions, attention_mask=kv.step_mask(rows),
+                     past_key_values=kv.cache, use_cache=True)
+            kv.advance()
+            logits.append(out.logits[-1, -1].float())
+        return torch.stack(logits)
+
+    with torch.inference_mode():
+        alone, joined = run([short]), run([long, short])
+    diff = float((alone - joined).abs().max())
+    scale = max(1.0, float(alone.abs().max()))
+    if not diff <= tol * scale:
+        raise UnsupportedModel(
+            f"{name} gives other logits for a row joined to a running batch than for the same "
+            f"row alone (max difference {diff:.3g}): the hf engine would return wrong text for it "
+            "once jobs overlap"
+        )
