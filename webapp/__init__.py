@@ -9,7 +9,7 @@ from redis.retry import Retry
 
 from tasks.celery_app import BLOCKING_SOCKET_TIMEOUT_S, SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
 from tasks.config import Settings, get_settings
-from webapp import auth, batches, errors, metrics, openapi
+from webapp import auth, batches, completions, errors, metrics, openapi
 from webapp.routes import health, jobs, openai, teaching
 from webapp.service import EXTENSION, JobService
 
@@ -40,7 +40,8 @@ def create_app(settings: Settings | None = None) -> Flask:
         )
 
     client, blocking = redis_client(SENDER_SOCKET_TIMEOUT_S), redis_client(BLOCKING_SOCKET_TIMEOUT_S)
-    app.extensions[EXTENSION] = JobService(settings, client, make_sender(settings), blocking)
+    app.extensions[EXTENSION] = service = JobService(settings, client, make_sender(settings), blocking)
+    app.extensions[completions.EXTENSION] = completions.CompletionService(service)
 
     errors.register(app)
     metrics.init_app(app, settings)

@@ -63,9 +63,10 @@ from typing import Literal
 
 from tasks import keys
 from tasks.config import Settings
-from tasks.schemas import PRIORITY_MAX, JobStatus, SamplingParams, Scheduling
+from tasks.schemas import PRIORITY_MAX, JobStatus, Scheduling
 from webapp import protocol
 from webapp.auth import ApiKey
+from webapp.completions import CompletionService, Submitted
 from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status, owned
 
 log = logging.getLogger(__name__)
@@ -416,6 +417,7 @@ class BatchDriver:
 
     def __init__(self, service, store: BatchStore):
         self.service = service
+        self.completions = CompletionService(service)
         self.store = store
         self.r = store.r
         self.settings = store.settings
@@ -634,17 +636,8 @@ class BatchDriver:
             status = job_error_status(error["code"])
             body = error_body(status, error["code"], error["message"])
             return "err", _output(entry["custom_id"], status, entry["ids"][0], body), (0, 0)
-        prompts, n = entry.get("prompts") or [], entry.get("n", 1)
-        choices = [
-            protocol.choice(k, (prompts[k // n] if entry.get("echo") else "") + r["text"], r["finish_reason"],
-                            r.get("logprobs"))
-            for k, r in enumerate(results)
-        ]  # fmt: skip
-        p_tok = sum(r["prompt_tokens"] for r in results)
-        c_tok = sum(r["completion_tokens"] for r in results)
-        body = protocol.completion(
-            f"cmpl-{entry['ids'][0]}", entry["model"], choices, protocol.usage(p_tok, c_tok), int(entry["created"])
-        )
+        body = self.completions.body(Submitted.from_entry(entry), results)
+        p_tok, c_tok = body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
         return "out", _output(entry["custom_id"], 200, entry["ids"][0], body), (p_tok, c_tok)
 
     # -- feeding
@@ -723,16 +716,11 @@ class BatchDriver:
             )  # fmt: skip
             return "error", _output(custom_id, 400, None, body), []
         try:
-            req = protocol.CompletionRequest.model_validate(line.get("body"))
-            req.refuse_unsupported(n=True, logprobs=True)
-            if req.stream:
+            jobs = protocol.CompletionRequest.model_validate(line.get("body")).to_jobs()
+            if jobs.stream:
                 raise APIError(400, "invalid_request", "stream: a batch line cannot be streamed", param="stream")
-            params = SamplingParams.model_validate(req.sampling())
-            model = req.model or self.settings.served_model
-            ids = self.service.submit(
-                req.prompts, params, model, stream=False, sched=Scheduling(priority=BATCH_PRIORITY), owner=key,
-                n=req.choices,
-            )  # fmt: skip
+            jobs.sched = Scheduling(priority=BATCH_PRIORITY)
+            sub = self.completions.submit(jobs, key, wait=False)
         except ValidationError as exc:
             first = exc.errors(include_url=False)[0]["loc"]
             body = error_body(400, "invalid_request", describe(exc), ".".join(str(p) for p in first) or None)
@@ -741,12 +729,8 @@ class BatchDriver:
             if exc.status in (429, 503):
                 raise Backoff() from exc
             return "error", _output(custom_id, exc.status, None, exc.body()), []
-        entry = {"custom_id": custom_id, "ids": ids, "model": model, "created": _now()}
-        if req.choices > 1:
-            entry["n"] = req.choices  # prompt i's choice j is job i * n + j, as in the completions route
-        if req.echo:
-            entry.update(echo=True, prompts=req.prompts)
-        return "pending", json.dumps(entry), ids
+        entry = {"custom_id": custom_id, **sub.entry()}
+        return "pending", json.dumps(entry), sub.ids
 
     def _owner_key(self, rec: dict) -> ApiKey | None:
         if not rec.get("owner"):

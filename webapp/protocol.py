@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from tasks.schemas import LOGPROBS_MAX, PRIORITY_MAX, PRIORITY_MIN, STOP_TOKEN_IDS_MAX, Logprobs
+from tasks.schemas import (
+    LOGPROBS_MAX, PRIORITY_MAX, PRIORITY_MIN, STOP_TOKEN_IDS_MAX, Logprobs, SamplingParams, Scheduling,
+)
 from webapp.errors import APIError
+
+if TYPE_CHECKING:
+    from webapp.completions import Jobs
 
 FINISH = {"length": "length", "stop": "stop", "eos": "stop", "cancelled": "stop"}
 
@@ -198,6 +203,18 @@ class CompletionRequest(BaseModel):
                 "logprobs with echo is not supported (it would need the prompt's log-probabilities)",
                 param="logprobs",
             )  # fmt: skip
+
+    def to_jobs(self) -> "Jobs":
+        """The request's jobs: each prompt `n` times, with its SamplingParams (400 for a
+        parameter this server does not implement)."""
+        from webapp.completions import Jobs
+
+        self.refuse_unsupported(n=True, logprobs=True)
+        return Jobs(
+            self.prompts, SamplingParams.model_validate(self.sampling()), Scheduling(priority=self.priority),
+            model=self.model, n=self.choices, stream=bool(self.stream), echo=bool(self.echo),
+            include_usage=bool(self.stream_options and self.stream_options.include_usage),
+        )  # fmt: skip
 
     def sampling(self) -> dict:
         """The job's SamplingParams, as a dict (null fields take their defaults)."""

@@ -208,25 +208,24 @@ class JobService:
             )
         return params
 
-    def submit(
+    def enqueue(
         self,
         prompts: list[str],
         params: SamplingParams,
-        model: str | None,
+        model: str,
         stream: bool = True,
         sched: Scheduling | None = None,
         owner: ApiKey | None = None,
         n: int = 1,
     ) -> list[str]:
-        """Record and enqueue one job per prompt; returns their ids in order. `stream=False`
+        """Record and enqueue one job per prompt, for a request that has been validated and
+        whose model is resolved (webapp.completions.CompletionService.submit does both); returns
+        their ids in order. `stream=False`
         for jobs whose ids never reach a client: nobody could follow their token streams.
         `sched`: the jobs' priority and deadline. `owner`: the request's API key (None: the API
         is open); the jobs carry its name and count against its quota. `n`: jobs per prompt
         (OpenAI's `n`), in a row, the j-th with `params.for_choice(j)` (its own seed)."""
         prompts = [p for p in prompts for _ in range(n)]
-        self.validate(prompts, params)
-        params = self.key_limits(prompts, params, owner)
-        model = self.resolve_model(model)
         queue = queue_for(model)
         sched = sched or Scheduling()
         deadline = sched.deadline_from(time.time())

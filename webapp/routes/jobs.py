@@ -6,9 +6,10 @@ import math
 
 from flask import Blueprint, current_app, request, url_for
 
-from tasks.schemas import JobRequest, split_request
+from tasks.schemas import JobRequest
 from tasks.streams import parse_event_id
 from webapp import auth, sse
+from webapp.completions import Jobs, current_completions
 from webapp.errors import APIError, error_body, job_error_status
 from webapp.openapi import SSE, SUBMIT_ERRORS, Param, doc
 from webapp.responses import JobCreated, JobView
@@ -24,8 +25,8 @@ bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 def create_job():
     """Queue one job."""
     req = parse(JobRequest)
-    params, sched = split_request(req, exclude={"prompt", "model"})
-    (job_id,) = current_service().submit([req.prompt], params, req.model, sched=sched, owner=auth.current_owner())
+    jobs = Jobs.of(req, [req.prompt], {"prompt", "model"}, model=req.model, api="jobs", stream=True)
+    (job_id,) = current_completions().submit(jobs, auth.current_owner(), wait=False).ids
     location = url_for("jobs.get_job", job_id=job_id)
     return JobCreated(id=job_id).model_dump(), 202, {"Location": location}
 

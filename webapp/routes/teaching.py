@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from flask import Blueprint, request
 
-from tasks.schemas import BasicGenerateRequest, GenerateRequest, split_request
+from tasks.schemas import BasicGenerateRequest, GenerateRequest
 from webapp import auth, sse
+from webapp.completions import Jobs, Submitted, current_completions
 from webapp.openapi import BLOCKING_ERRORS, SSE, SUBMIT_ERRORS, doc
 from webapp.responses import BasicGenerateResponse, GenerateResponse
 from webapp.routes._body import parse
@@ -19,20 +20,13 @@ from webapp.service import current_service
 bp = Blueprint("teaching", __name__)
 
 
-def _submit(prompts: list[str], req, engine: str | None = None, stream: bool = False) -> list[str]:
-    service = current_service()
-    params, sched = split_request(req, exclude={"prompt", "prompts"})
-    service.validate(prompts, params)
-    model = service.model_for_engine(engine) if engine else service.resolve_model(None)
-    if not prompts:
-        return []
-    service.require_worker(model)
-    return service.submit(prompts, params, model, stream, sched, owner=auth.current_owner())
+def _submit(prompts: list[str], req, engine: str | None = None, stream: bool = False) -> Submitted:
+    jobs = Jobs.of(req, prompts, {"prompt", "prompts"}, engine=engine, api="teaching", stream=stream)
+    return current_completions().submit(jobs, auth.current_owner())
 
 
-def _completions(ids: list[str]) -> list[str]:
-    service = current_service()
-    return [r["text"] for r in service.collect(ids, request.environ)]
+def _completions(sub: Submitted) -> list[str]:
+    return [r["text"] for r in current_completions().results(sub, request.environ)]
 
 
 @bp.post("/basic_generate")
@@ -67,7 +61,7 @@ def generate_vllm():
 def generate_stream():
     """One `data: {"token", "sequence_id"}` line per generated token."""
     req = parse(BasicGenerateRequest)
-    (job_id,) = _submit([req.prompt], req, stream=True)
+    (job_id,) = _submit([req.prompt], req, stream=True).ids
 
     def token(_, ev):
         if ev.text or not ev.finish:

@@ -1,0 +1,213 @@
+"""One completion request, whatever door it came in by (`/v1/completions`, the teaching
+endpoints, a batch line, `/v1/jobs`): the request model turns itself into `Jobs` (its
+`to_jobs()`, as vLLM's `to_sampling_params`), `CompletionService.submit` puts them on the
+queue, and the answer is assembled from their results as a body (`body`) or a stream
+(`stream`), in the shape of the API the request came from (`Submitted.api`).
+
+`submit` is the only place that validates a request's jobs against this deployment's limits,
+resolves its model and applies the API key's limits; the routes and the batch driver only
+parse and call it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+from flask import Response, current_app, request
+from pydantic import BaseModel
+
+from tasks.schemas import SamplingParams, Scheduling, split_request
+from webapp import protocol, sse
+from webapp.auth import ApiKey
+from webapp.errors import error_body, job_error_status
+from webapp.service import JobService
+
+Api = Literal["completions", "teaching", "jobs"]
+
+
+@dataclass
+class Jobs:
+    """What a request asks of the queue: each of `prompts` `n` times (prompt i's j-th is job
+    i * n + j, with `params.for_choice(j)`), at `sched`, for `model` (None: the default one)
+    or for a worker of `engine`. The rest says how to answer: `api`, `stream`, `echo` (the
+    prompt goes before its completion), `include_usage` (a stream's last chunk)."""
+
+    prompts: list[str]
+    params: SamplingParams
+    sched: Scheduling = field(default_factory=Scheduling)
+    model: str | None = None
+    engine: str | None = None
+    n: int = 1
+    api: Api = "completions"
+    stream: bool = False
+    echo: bool = False
+    include_usage: bool = False
+
+    @classmethod
+    def of(cls, req: BaseModel, prompts: list[str], exclude: set[str], **kw: Any) -> "Jobs":
+        """The jobs of a body that is SamplingParams and Scheduling fields beside `exclude`
+        (`/v1/jobs`, the teaching endpoints)."""
+        params, sched = split_request(req, exclude)
+        return cls(prompts, params, sched, **kw)
+
+
+@dataclass
+class Submitted:
+    """A request's jobs once queued: their ids in order, the model they went to, and what
+    the answer needs."""
+
+    jobs: Jobs
+    ids: list[str]
+    model: str
+    created: int
+
+    @property
+    def response_id(self) -> str:
+        return f"cmpl-{self.ids[0]}"
+
+    def entry(self) -> dict[str, Any]:
+        """What a batch line keeps of it (JSON) to write its output line later (`from_entry`)."""
+        entry: dict[str, Any] = {"ids": self.ids, "model": self.model, "created": self.created}
+        if self.jobs.n > 1:
+            entry["n"] = self.jobs.n
+        if self.jobs.echo:
+            entry.update(echo=True, prompts=self.jobs.prompts)
+        return entry
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> "Submitted":
+        jobs = Jobs(
+            prompts=entry.get("prompts") or [], params=SamplingParams(), n=entry.get("n", 1),
+            echo=bool(entry.get("echo")),
+        )  # fmt: skip
+        return cls(jobs, entry["ids"], entry["model"], int(entry["created"]))
+
+
+# Where create_app keeps the app's CompletionService (app.extensions[EXTENSION]).
+EXTENSION = "genq_completions"
+
+
+def current_completions() -> "CompletionService":
+    """The CompletionService of the app handling this request."""
+    return current_app.extensions[EXTENSION]
+
+
+class CompletionService:
+    """Submits a request's jobs and answers it: one per API process (over its JobService)."""
+
+    def __init__(self, jobs: JobService):
+        self.jobs = jobs
+
+    def submit(self, req: Jobs, owner: ApiKey | None, wait: bool = True) -> Submitted:
+        """Validate, resolve the model, apply the key's limits and queue the jobs. `wait`: the
+        caller answers once they end (a blocking call or a stream), so it fails at once with
+        503 when no live worker serves the model instead of hanging."""
+        s = self.jobs
+        every = [p for p in req.prompts for _ in range(req.n)]
+        s.validate(every, req.params)
+        model = s.model_for_engine(req.engine) if req.engine else s.resolve_model(req.model)
+        created = int(time.time())
+        if not every:
+            return Submitted(req, [], model, created)
+        if wait:
+            s.require_worker(model)
+        params = s.key_limits(every, req.params, owner)
+        ids = s.enqueue(req.prompts, params, model, stream=req.stream, sched=req.sched, owner=owner, n=req.n)
+        return Submitted(req, ids, model, created)
+
+    def results(self, sub: Submitted, environ: dict | None = None) -> list[dict[str, Any]]:
+        """The jobs' results in order (raises the APIError of the first that failed)."""
+        return self.jobs.collect(sub.ids, environ)
+
+    def body(self, sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole answer of a request whose jobs have all succeeded."""
+        return completion_body(sub, results)
+
+    def answer(self, req: Jobs, owner: ApiKey | None) -> dict[str, Any] | Response:
+        """Submit and answer a request at once: its body once the jobs have ended, or its
+        stream (`req.stream`)."""
+        sub = self.submit(req, owner)
+        if req.stream:
+            return self.stream(sub)
+        return self.body(sub, self.results(sub, request.environ))
+
+    def stream(self, sub: Submitted) -> Response:
+        """The answer as server-sent events, in the API's chunks, while the jobs run."""
+        return completion_stream(sub, self.jobs.events(sub.ids, cancel_on_exit=True))
+
+
+# -- /v1/completions ------------------------------------------------------------------------
+
+
+def completion_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
+    jobs, n = sub.jobs, sub.jobs.n
+    choices = [
+        protocol.choice(k, (jobs.prompts[k // n] if jobs.echo else "") + r["text"], r["finish_reason"],
+                        r.get("logprobs"))
+        for k, r in enumerate(results)
+    ]  # fmt: skip
+    total = protocol.usage(sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results))
+    return protocol.completion(sub.response_id, sub.model, choices, total, sub.created)
+
+
+class _Relay:
+    """What every OpenAI-style stream shares: one choice per job, usage counted from the jobs'
+    finish events, a failed job's error as the last event, `[DONE]` at the end."""
+
+    def __init__(self, sub: Submitted):
+        self.sub = sub
+        self.index = {job_id: i for i, job_id in enumerate(sub.ids)}
+        self.counts = [0, 0]
+
+    def chunk(self, i: int, text: str, finish: str | None, logprobs: dict | None) -> str:
+        raise NotImplementedError
+
+    def usage_chunk(self) -> str:
+        raise NotImplementedError
+
+    def head(self) -> list[str]:
+        return []
+
+    def token(self, job_id, ev) -> str:
+        if ev.finish and ev.usage:
+            self.counts[0] += ev.usage["prompt_tokens"]
+            self.counts[1] += ev.usage["completion_tokens"]
+        return self.chunk(self.index[job_id], ev.text, ev.finish, ev.logprobs)
+
+    def end(self, _, ev) -> sse.Last:
+        return sse.Last(sse.event(error_body(job_error_status(ev.error["code"]), **ev.error)))
+
+    def restart(self, job_id, ev) -> sse.Last:
+        # OpenAI's stream has no way to take text back; greedy and seeded jobs replay
+        # without a seam (tasks/streams.py), a sampled one can only end here.
+        message = f"choice {self.index[job_id]} started over on another worker; send the request again"
+        return sse.Last(sse.event(error_body(502, "worker_lost", message)))
+
+    def tail(self, complete: bool) -> Iterator[str]:
+        if complete and self.sub.jobs.include_usage:
+            yield self.usage_chunk()
+        yield sse.event("[DONE]")
+
+    def response(self, events) -> Response:
+        return sse.relay(events, self.token, self.end, self.restart, self.head(), self.tail)
+
+
+class _CompletionRelay(_Relay):
+    def chunk(self, i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> str:
+        sub = self.sub
+        choice = protocol.choice(i, text, finish, logprobs)
+        return sse.event(protocol.completion(sub.response_id, sub.model, [choice], created=sub.created))
+
+    def usage_chunk(self) -> str:
+        sub = self.sub
+        return sse.event(protocol.completion(sub.response_id, sub.model, [], protocol.usage(*self.counts), sub.created))
+
+    def head(self) -> list[str]:
+        jobs = self.sub.jobs
+        return [self.chunk(k, jobs.prompts[k // jobs.n]) for k in range(len(self.sub.ids))] if jobs.echo else []
+
+
+def completion_stream(sub: Submitted, events) -> Response:
+    return _CompletionRelay(sub).response(events)
