@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from urllib.parse import urlsplit
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
+from prometheus_client.parser import text_string_to_metric_families
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -156,6 +158,18 @@ def test_nasty_urls_and_headers_are_4xx_json(echo_stack):
         ("GET", f"/v1/jobs/{job_id}/stream?last_event_id=-", {}, 400),
         ("POST", "/v1/jobs/" + "x" * 3000 + "/cancel", {}, 404),
         ("DELETE", "/v1/jobs", {}, 405),
+        # str.isdigit() takes these; int() fails on the first, reads the second as 3.
+        ("GET", "/v1/batches?limit=%C2%B2", {}, 400),
+        ("GET", "/v1/batches?limit=%D9%A3", {}, 400),
+        ("GET", "/v1/batches?limit=" + "0" * 1000 + "1", {}, 400),
+        ("GET", "/v1/batches?limit=1" + "0" * 5000, {}, 414),  # gunicorn refuses it (JSON too)
+        ("GET", "/v1/batches?after=batch_x:pending", {}, 404),
+        # Ids with another key's suffix (webapp/ids.py): never sent to Redis.
+        ("GET", f"/v1/jobs/{job_id}:x", {}, 404),
+        ("GET", f"/v1/jobs/{job_id.upper()}", {}, 404),
+        ("GET", "/v1/batches/batch_0123456789abcdef01234567:pending", {}, 404),
+        ("POST", "/v1/batches/batch_0123456789abcdef01234567:out/cancel", {}, 404),
+        ("GET", "/v1/files/file-0123456789abcdef01234567:lines", {}, 404),
     ]
     for method, path, headers, status in cases:
         resp = echo_stack.http.request(method, echo_stack.base + path, headers=headers, timeout=60)
@@ -177,3 +191,162 @@ def test_garbage_on_the_socket_does_not_stop_the_server(echo_stack):
     # Still serving, and a real job still runs.
     job_id = submit(echo_stack, prompt="still here", max_new_tokens=2)
     assert echo_stack.get(f"/v1/jobs/{job_id}?wait=30").json()["status"] == "succeeded"
+
+
+def raw_http(stack, payload: bytes, half_close: bool = False) -> list[tuple[int, dict, bytes]]:
+    """Sends `payload` on a connection of its own; the responses read back until the server
+    closes it: (status, headers lower-cased, body) each."""
+    host, port = urlsplit(stack.base).hostname, urlsplit(stack.base).port
+    data = b""
+    with socket.create_connection((host, port), timeout=30) as s:
+        s.sendall(payload)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        while chunk := s.recv(65536):
+            data += chunk
+    responses = []
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        n = int(headers.get("content-length", len(data)))
+        responses.append((int(status_line.split()[1]), headers, data[:n]))
+        data = data[n:]
+    return responses
+
+
+def json_error(status: int, headers: dict, body: bytes) -> dict:
+    assert 400 <= status < 500, (status, body[:300])
+    assert headers["content-type"].startswith("application/json"), (headers, body[:300])
+    error = json.loads(body)["error"]
+    assert error["message"] and error["type"] == "invalid_request_error", error
+    return error
+
+
+def chunked(path: str, body: bytes, content_type: str = "application/json") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode() + body
+
+
+# Chunked bodies framed wrongly (gunicorn's reader raises as the app reads them).
+BAD_CHUNKS = [
+    ("a chunk size that is not hex", b"zz\r\nabc\r\n0\r\n\r\n"),
+    ("a negative chunk size", b"-3\r\nabc\r\n0\r\n\r\n"),
+    ("a chunk size with a 0x", b"0x3\r\nabc\r\n0\r\n\r\n"),
+    ("a chunk without its CRLF", b"3\r\nabcdef\r\n0\r\n\r\n"),
+    ("a bad chunk extension", b"3;\x01\r\nabc\r\n0\r\n\r\n"),
+]
+# The routes that read a body: JSON ones and the multipart upload.
+BODY_PATHS = [("/v1/jobs", "application/json"), ("/v1/completions", "application/json"),
+              ("/v1/batches", "application/json"), ("/v1/files", "multipart/form-data; boundary=b")]
+
+
+@pytest.mark.parametrize("name,body", BAD_CHUNKS, ids=[n for n, _ in BAD_CHUNKS])
+def test_a_malformed_chunked_body_is_a_4xx_json_error(echo_stack, name, body):
+    for path, content_type in BODY_PATHS:
+        (first, *_) = raw_http(echo_stack, chunked(path, body, content_type))
+        error = json_error(*first)
+        assert first[0] == 400 and error["code"] == "invalid_body", (path, error)
+    # Cut off mid-chunk: the client half-closes, and still reads a 400.
+    (first, *_) = raw_http(echo_stack, chunked("/v1/jobs", b"10\r\nabc"), half_close=True)
+    assert first[0] == 400 and json_error(*first)
+    # A route that does not read the body answers; gunicorn, draining it, answers a JSON 400 too.
+    ok, refused = raw_http(echo_stack, b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                           + body)  # fmt: skip
+    assert ok[0] == 200 and json_error(*refused)["code"] == "bad_request"
+    job_id = submit(echo_stack, prompt="after a bad chunk", max_new_tokens=2)
+    assert echo_stack.get(f"/v1/jobs/{job_id}?wait=30").json()["status"] == "succeeded"
+
+
+def test_requests_gunicorn_refuses_are_json_errors(echo_stack):
+    for payload in (b"\x00\xff\x16\x03\x01garbage\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n"):
+        (first,) = raw_http(echo_stack, payload)
+        json_error(*first)
+    assert echo_stack.get("/healthz").status_code == 200
+
+
+def upload(stack, data: bytes):
+    files = {"file": ("in.jsonl", data)}
+    return stack.http.post(stack.base + "/v1/files", data={"purpose": "batch"}, files=files, timeout=60)
+
+
+def batch_line(body: str, custom_id: str = "a") -> bytes:
+    return (f'{{"custom_id": "{custom_id}", "method": "POST", "url": "/v1/completions", "body": {body}}}\n').encode()
+
+
+# Batch input lines that are valid JSON but that no job could take: refused at upload, the
+# line named (a lone surrogate used to wedge its batch `in_progress`, deep nesting a 500).
+BAD_LINES = [
+    ("a lone high surrogate in the prompt", batch_line('{"prompt": "a\\ud800b"}')),
+    ("a lone low surrogate in a stop string", batch_line('{"prompt": "a", "stop": ["\\udfff"]}')),
+    ("a lone surrogate in the custom_id", batch_line('{"prompt": "a"}', custom_id="\\udbff")),
+    ("a line nested 100,000 deep", batch_line('{"prompt": "a", "stop": ' + "[" * 100_000 + "]" * 100_000 + "}")),
+    ("a line of nested objects", batch_line('{"prompt": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}")),
+]
+
+
+@pytest.mark.parametrize("name,bad", BAD_LINES, ids=[n for n, _ in BAD_LINES])
+def test_batch_lines_no_job_could_take_are_refused_at_upload(echo_stack, name, bad):
+    good = batch_line(f'{{"model": "{echo_stack.name}", "prompt": "a", "max_tokens": 2}}', "ok")
+    resp = upload(echo_stack, good + bad)
+    assert resp.status_code == 400, resp.text[:300]
+    error = resp.json()["error"]
+    assert (error["code"], error["line"]) == ("invalid_file", 2), error
+    # A surrogate pair, and an escaped backslash before `ud800`, are text: taken, and run.
+    fine = batch_line(f'{{"model": "{echo_stack.name}", "prompt": "\\ud83d\\ude00 \\\\ud800", "max_tokens": 2}}', "pair")
+    resp = upload(echo_stack, good + fine)
+    assert resp.status_code == 200, resp.text[:300]
+    batch = echo_stack.post("/v1/batches", json={"input_file_id": resp.json()["id"], "endpoint": "/v1/completions",
+                                                 "completion_window": "24h"}).json()  # fmt: skip
+    deadline = time.monotonic() + 60
+    while batch["status"] not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        batch = echo_stack.get(f"/v1/batches/{batch['id']}").json()
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 2, batch
+
+
+def test_a_file_id_with_a_suffix_is_the_404_of_an_unknown_id(echo_stack):
+    """`<id>:lines` names the file's content list in Redis: it used to answer a 500 (WRONGTYPE)
+    for a file that exists and a 404 for one that does not, telling which ids exist."""
+    resp = upload(echo_stack, batch_line('{"prompt": "a"}'))
+    assert resp.status_code == 200, resp.text
+    real, unknown = resp.json()["id"], "file-" + "0" * 24
+    for suffix in (":lines", ":lines:upload", ":x"):
+        for path in ("/v1/files/{}", "/v1/files/{}/content"):
+            answers = [echo_stack.get(path.format(file_id + suffix)) for file_id in (real, unknown)]
+            assert [a.status_code for a in answers] == [404, 404], [a.text[:200] for a in answers]
+            assert {a.json()["error"]["code"] for a in answers} == {"not_found"}
+        resp = echo_stack.http.delete(f"{echo_stack.base}/v1/files/{real}{suffix}", timeout=30)
+        assert resp.status_code == 404, resp.text
+        resp = echo_stack.post("/v1/batches", json={"input_file_id": real + suffix, "endpoint": "/v1/completions",
+                                                    "completion_window": "24h"})  # fmt: skip
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found", resp.text
+    assert echo_stack.get(f"/v1/files/{real}").status_code == 200
+
+
+def test_invented_methods_and_paths_add_no_metric_series(echo_stack):
+    """/metrics needs no key: what a client sends must not pick its label values."""
+
+    def series() -> set[tuple]:
+        text = echo_stack.get("/metrics").text
+        return {(s.name, tuple(sorted(s.labels.items())))
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("genq:api_")}  # fmt: skip
+
+    def invent(tag: str) -> None:
+        for i in range(25):
+            for path in ("/healthz", f"/no/such/{tag}{i}", f"/v1/jobs/{tag}{i}"):
+                resp = echo_stack.http.request(f"X{tag.upper()}{i}", echo_stack.base + path, timeout=30)
+                assert resp.status_code in (404, 405) and resp.json()["error"], (path, resp.text[:200])
+            assert echo_stack.get(f"/no/such/path/{tag}{i}").status_code == 404
+
+    invent("a")
+    series()  # the scrape counts itself once
+    before = series()
+    methods = {dict(labels).get("method") for _, labels in before} - {None}
+    assert methods <= {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "other"}, methods
+    routes = {dict(labels).get("route") for _, labels in before} - {None}
+    assert not {r for r in routes if "such" in r or r.startswith("/v1/jobs/a")}, routes
+    invent("b")
+    assert series() == before
+    assert echo_stack.get("/healthz").status_code == 200

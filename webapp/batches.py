@@ -64,7 +64,7 @@ from typing import Literal
 from tasks import keys
 from tasks.config import Settings
 from tasks.schemas import PRIORITY_MAX, JobStatus, Scheduling
-from webapp import protocol
+from webapp import ids, protocol
 from webapp.auth import ApiKey
 from webapp.completions import CompletionService, Submitted
 from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status, owned
@@ -107,6 +107,20 @@ def _now() -> int:
     return int(time.time())
 
 
+def _refuse_lone_surrogates(n: int, text: str, obj: dict) -> None:
+    """LineError if a string of the line holds a `\\ud800`-`\\udfff` escape that is not half
+    of a pair: valid JSON, but no Unicode text, which no job, Redis write or output line takes
+    (a batch would retry the line forever). Only lines with a `\\u` escape are re-encoded."""
+    if "\\u" not in text:
+        return
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise LineError(n, "a string holds a lone surrogate (a \\ud800-\\udfff escape not part of a pair)") from None
+    except RecursionError:
+        raise LineError(n, "not valid JSON (nested too deeply)") from None
+
+
 def _lines(chunk: str) -> list[str]:
     """The lines of one stored chunk (every chunk ends with a newline)."""
     return chunk.split("\n")[:-1]
@@ -144,10 +158,13 @@ class FileStore:
                 if text.strip():
                     try:
                         obj = json.loads(text)
+                    except RecursionError:
+                        raise LineError(n, "not valid JSON (nested too deeply)") from None
                     except ValueError as exc:
                         raise LineError(n, f"not valid JSON ({getattr(exc, 'msg', exc)})") from None
                     if not isinstance(obj, dict):
                         raise LineError(n, "not a JSON object")
+                    _refuse_lone_surrogates(n, text, obj)
                     lines += 1
                 buf.append(text + "\n")
                 buffered += len(text) + 1
@@ -181,6 +198,7 @@ class FileStore:
 
     def meta(self, file_id: str, owner: str | None) -> dict:
         """The file's metadata; a 404 if it does not exist or, with `owner`, is not theirs."""
+        ids.check("file", file_id)  # before Redis: `file-…:lines` names the content list
         return owned(self.r.hgetall(keys.file(file_id)), owner, "file", file_id)
 
     def chunks(self, file_id: str, start: int = 0, step: int = 64) -> Iterator[str]:
@@ -364,6 +382,7 @@ class BatchStore:
         return public_batch(rec)
 
     def get(self, batch_id: str, owner: str | None) -> dict:
+        ids.check("batch", batch_id)  # before Redis: `batch_…:pending` names another key
         return owned(self.r.hgetall(keys.batch(batch_id)), owner, "batch", batch_id)
 
     def list(self, owner: str, after: str | None, limit: int) -> dict:

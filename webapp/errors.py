@@ -27,6 +27,18 @@ BROKER_ERRORS: tuple[type[Exception], ...] = (
     ConnectionError,
 )
 BROKER_RETRY_AFTER = {"Retry-After": "2"}
+
+# A request body framed wrongly, as gunicorn's body reader raises it while the app reads the
+# body: chunked encoding with a bad chunk size, a chunk without its CRLF, a bad extension or
+# trailer (ParseException's subclasses), or the connection closing mid-body (NoMoreData). A
+# 400: the client's fault. gunicorn closes the connection after the answer (where the next
+# request would start is unknown). Not gunicorn (the Flask test client): none.
+try:
+    from gunicorn.http.errors import NoMoreData, ParseException
+
+    BODY_ERRORS: tuple[type[Exception], ...] = (ParseException, NoMoreData)
+except ImportError:  # pragma: no cover
+    BODY_ERRORS = ()
 BROKER_UNAVAILABLE = {
     "code": "broker_unavailable",
     "message": "the job queue (Redis) is unavailable; try again shortly",
@@ -131,6 +143,13 @@ def register(app: Flask) -> None:
 
     for cls in BROKER_ERRORS:
         app.register_error_handler(cls, _broker)
+
+    def _body(exc: Exception):
+        why = str(exc) if isinstance(exc, ParseException) else "the connection closed before its end"
+        return error_response(400, "invalid_body", f"the request body is malformed: {why}")
+
+    for cls in BODY_ERRORS:
+        app.register_error_handler(cls, _body)
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException):

@@ -10,12 +10,13 @@ from gevent import monkey
 monkey.patch_all()
 
 import glob  # noqa: E402
+import json  # noqa: E402
 import logging.config  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-from gunicorn import glogging  # noqa: E402
+from gunicorn import glogging, util  # noqa: E402
 
 from tasks import logs  # noqa: E402
 from tasks.config import get_settings  # noqa: E402
@@ -47,6 +48,22 @@ class _Logger(glogging.Logger):
 
 
 logger_class = _Logger
+
+
+def _json_error(sock, status_int, reason, mesg):
+    """gunicorn's own error answers as the API's JSON errors (webapp/errors.py's shape), not
+    HTML: requests it refuses before the app sees them (a request line or header it cannot
+    parse) and a malformed chunked body the app left unread, found as gunicorn drains it."""
+    kind = "invalid_request_error" if status_int < 500 else "server_error"
+    error = {"code": reason.lower().replace(" ", "_"), "message": mesg or reason, "type": kind, "param": None}
+    body = json.dumps({"error": error}).encode()
+    head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    util.write_nonblock(sock, head.encode("latin-1") + body)
+
+
+# No setting chooses the body of these (gunicorn.workers.base.Worker.handle_error calls this).
+util.write_error = _json_error
 
 # Prometheus multiprocess mode (webapp/metrics.py): every API process writes its counts to files
 # in one directory, which /metrics adds up. Set here in the arbiter, before any process imports

@@ -100,10 +100,20 @@ class _FromRedis:
         return [live, waiting]
 
 
+# `/metrics` needs no key, and every label value is a series it serves for good: each label takes
+# its values from a fixed set, never from what a client sends. Routes by their rule (not the
+# path), methods outside these as "other", statuses as the API sent them (it makes them all).
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    return method if method in METHODS else "other"
+
+
 def _record(response: Response) -> Response:
     rule = request.url_rule
     status = response.status_code
-    _m.requests.labels(rule.rule if rule else "unmatched", request.method, str(status)).inc()
+    _m.requests.labels(rule.rule if rule else "unmatched", method_label(request.method), str(status)).inc()
     if status in (429, 503) and request.method == "POST":
         body = response.get_json(silent=True) or {}
         reason = (body.get("error") or {}).get("code", "") if isinstance(body, dict) else ""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from flask import Blueprint, current_app, jsonify, request, stream_with_context
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from webapp import auth
+from webapp import auth, ids
 from webapp.batches import EXTENSION, BatchRequest, LineError, public_batch, public_file
 from webapp.errors import APIError
 from webapp.routes._body import parse
@@ -92,9 +92,13 @@ def get_batch(batch_id: str):
 @bp.get("/batches")
 def list_batches():
     raw = request.args.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+    # ASCII digits only: str.isdigit() takes '²' and '٣' too (int() fails on one, reads the other).
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 3) or not 1 <= int(raw) <= 100:
         raise APIError(400, "invalid_request", "limit: a whole number from 1 to 100", param="limit")
-    return _batches().store.list(_owner(), request.args.get("after") or None, int(raw))
+    after = request.args.get("after") or None
+    if after is not None:
+        ids.check("batch", after, param="after")
+    return _batches().store.list(_owner(), after, int(raw))
 
 
 @bp.post("/batches/<batch_id>/cancel")
