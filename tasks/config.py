@@ -42,6 +42,14 @@ class Settings(BaseSettings):
     )
     vllm_enforce_eager: bool = Field(True, description="no graph capture/compilation (CPU: no gain)")
     vllm_kv_cache_gib: int = Field(1, ge=1, description="vLLM's KV cache on CPU, GiB")
+    vllm_gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="vLLM (GPU): the share of each GPU's memory this engine takes; "
+        "two workers on one GPU need a share each that adds up to at most 1",
+    )
+    vllm_tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs one engine shards the model over")
+    vllm_max_model_len: int | None = Field(
+        None, ge=16, description="vLLM: the context it serves (a smaller one needs less KV cache); default: the model's"
+    )
     sim_step_ms: str = Field(
         "5+0.5", pattern=r"^\s*\d+(\.\d*)?\s*(\+\s*\d+(\.\d*)?\s*)?$",
         description="the sim engine's decode step: 'a+b' sleeps a + b x batch ms (worker/engines/sim.py)",

@@ -206,10 +206,14 @@ def vllm_reference(tiny_model):
     return complete
 
 
+# vllm_stack's GENQ_VLLM_MAX_MODEL_LEN: below the tiny model's 512, so a test sees it reach vLLM.
+VLLM_MAX_MODEL_LEN = 384
+
+
 @pytest.fixture(scope="session")
 def vllm_stack(make_session_stack) -> Stack:
-    """The tiny model behind one vLLM worker (and the API)."""
-    s = make_session_stack(GENQ_ENGINE="vllm", GENQ_MAX_BATCH_SIZE="16")
+    """The tiny model behind one vLLM worker (and the API), its context cut to VLLM_MAX_MODEL_LEN."""
+    s = make_session_stack(GENQ_ENGINE="vllm", GENQ_MAX_BATCH_SIZE="16", GENQ_VLLM_MAX_MODEL_LEN=str(VLLM_MAX_MODEL_LEN))
     s.start_api()
     s.start_worker()
     s.wait_ready(timeout=240)

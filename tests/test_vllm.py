@@ -123,3 +123,15 @@ def test_vllm_sampling_parameters_and_logprobs(vllm_stack):
     chunks = [json.loads(line[6:]) for line in resp.iter_lines(decode_unicode=True) if line.startswith("data: {")]
     streamed = [t for c in chunks for ch in c["choices"] if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
     assert streamed == lp["tokens"]
+
+
+def test_vllm_engine_settings_reach_the_engine(vllm_stack):
+    """GENQ_VLLM_MAX_MODEL_LEN (like GENQ_VLLM_GPU_MEMORY_UTILIZATION and
+    GENQ_VLLM_TENSOR_PARALLEL_SIZE beside it) is passed to vLLM's engine, which serves that
+    context: the worker announces it and refuses a prompt past it."""
+    from conftest import VLLM_MAX_MODEL_LEN
+
+    cards = {m["id"]: m for m in vllm_stack.get("/v1/models").json()["data"]}
+    assert cards[vllm_stack.name]["max_model_len"] == VLLM_MAX_MODEL_LEN
+    resp = vllm_stack.post("/generate_vllm", json={"prompts": ["word " * (VLLM_MAX_MODEL_LEN - 8)], "max_new_tokens": 16})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long", resp.text

@@ -68,6 +68,9 @@ class VLLMEngine(Engine):
             dtype=dtype,
             enforce_eager=settings.vllm_enforce_eager,
             max_num_seqs=settings.max_batch_size,
+            gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+            tensor_parallel_size=settings.vllm_tensor_parallel_size,
+            max_model_len=settings.vllm_max_model_len,
             disable_log_stats=True,
         )
 
