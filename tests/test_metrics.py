@@ -42,7 +42,14 @@ def metered(make_module_stack):
     s.start_api()
     s.start_worker()
     s.start_worker()
-    stackmod.wait_until(lambda: len(s.get("/readyz").json().get("workers", [])) == 2, 90, "two workers", s.procs)
+    # A second engine, as with GENQ_ENGINES=hf,echo (ports of its own: the hf ones are checked below).
+    s.start_worker(GENQ_ENGINE="echo", GENQ_MODEL_NAME=s.name + "-echo", GENQ_METRICS_PORT=str(stackmod.free_port()))
+
+    def ready():
+        body = s.get("/readyz").json()
+        return len(body.get("workers", [])) == 2 and len(body.get("other_workers", [])) == 1
+
+    stackmod.wait_until(ready, 90, "three workers", s.procs)
     yield s
     s.stop()
 
@@ -57,6 +64,14 @@ def outcome(metered):
     resp = metered.post("/generate", json={"prompts": [PROMPT] * BLOCKING, "max_new_tokens": TOKENS,
                                            "ignore_eos": True})
     assert resp.status_code == 200, resp.text
+    # vLLM's finish reasons: a stop string is `stop`, a prompt the model cannot take an `error`.
+    text = metered.get(f"/v1/jobs/{ids[0]}").json()["result"]["text"]
+    stop = text.strip()[len(text.strip()) // 2:][:2]
+    resp = metered.post("/generate", json={"prompts": [PROMPT], "max_new_tokens": TOKENS, "ignore_eos": True,
+                                           "stop": [stop]})
+    assert resp.status_code == 200 and stop not in resp.json()["generated_texts"][0][len(PROMPT):], resp.text
+    resp = metered.post("/basic_generate", json={"prompt": "word " * 600, "max_new_tokens": 4})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long", resp.text
     refused = metered.post("/generate_vllm", json={"prompts": [PROMPT]})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_worker"
     for _ in range(10):
@@ -73,6 +88,17 @@ def test_workers_announce_their_own_ports(metered):
     assert first == metered.metrics_base and metered.metrics_base < second < metered.metrics_base + 64
 
 
+def test_readyz_has_every_metrics_port(metered):
+    """A second engine's worker serves another model: its port is in /readyz too."""
+    body = metered.get("/readyz").json()
+    (other,) = body["other_workers"]
+    assert other["model"] == metered.name + "-echo" and other["engine"] == "echo"
+    ports = {w["metrics_port"] for w in body["workers"] + body["other_workers"]}
+    assert len(ports) == 3 and None not in ports
+    echo = scrape(f"http://127.0.0.1:{other['metrics_port']}/metrics")
+    assert total(echo, "genq:request_success_total", model_name=other["model"], engine="0") == 0
+
+
 def test_worker_counts_add_up(metered, outcome):
     ports = [w["metrics_port"] for w in metered.get("/readyz").json()["workers"]]
     per = [scrape(f"http://127.0.0.1:{p}/metrics") for p in ports]
@@ -81,19 +107,28 @@ def test_worker_counts_add_up(metered, outcome):
         return sum(total(s, name, model_name=metered.name, **labels) for s in per)
 
     jobs = STREAMED + BLOCKING
-    assert summed("genq:request_success_total") == jobs
-    assert summed("genq:request_success_total", finished_reason="length", engine="hf") == jobs
-    assert summed("genq:generation_tokens_total") == jobs * TOKENS
+    # vLLM's label values: `engine` is the engine's index, every finish reason exists from the start.
+    for per_worker in per:
+        reasons = {dict(ls)["finished_reason"] for n, ls in per_worker if n == "genq:request_success_total"}
+        assert reasons == {"stop", "length", "abort", "error"}
+        assert {dict(ls).get("engine") for n, ls in per_worker if n.startswith("genq:")} == {"0"}
+    assert summed("genq:request_success_total", finished_reason="length", engine="0") == jobs
+    assert summed("genq:request_success_total", finished_reason="stop") == 1
+    assert summed("genq:request_success_total", finished_reason="error") == 1
+    assert summed("genq:request_success_total", finished_reason="abort") == 0
+    assert summed("genq:request_failure_total") == summed("genq:request_failure_total", reason="prompt_too_long") == 1
+    # The stopped job succeeded too, with fewer tokens.
+    assert jobs * TOKENS < summed("genq:generation_tokens_total") <= (jobs + 1) * TOKENS
+    assert summed("genq:request_generation_tokens_sum") == summed("genq:generation_tokens_total")
+    jobs += 1
     for name in ("genq:e2e_request_latency_seconds", "genq:request_queue_time_seconds",
                  "genq:request_inference_time_seconds", "genq:request_generation_tokens"):
-        assert summed(name + "_count") == jobs, name
-    assert summed("genq:request_generation_tokens_sum") == jobs * TOKENS
+        assert summed(name + "_count") == jobs + (name == "genq:request_queue_time_seconds"), name
     # Only streamed jobs publish token events: a first token each, then one gap per later token.
     assert summed("genq:time_to_first_token_seconds_count") == STREAMED
     assert summed("genq:inter_token_latency_seconds_count") == STREAMED * (TOKENS - 1)
     assert summed("genq:batch_size_count") >= TOKENS
     assert summed("genq:num_requests_running") == 0
-    assert summed("genq:request_failure_total") == 0
     # The slowest path a job can take is below its end-to-end latency.
     e2e = summed("genq:e2e_request_latency_seconds_sum")
     assert summed("genq:request_queue_time_seconds_sum") + summed("genq:request_inference_time_seconds_sum") \
@@ -105,10 +140,16 @@ def test_api_counts_add_up_over_its_processes(metered, outcome):
     for _ in range(3):  # whichever of the two processes answers, it reports both
         api = scrape(metered.base + "/metrics")
         assert total(api, "genq:api_requests_total", route="/healthz", status="200") == 10 + 1  # + start_api's
+        # Latency by route and method, whichever process served it.
+        latency = "genq:api_request_duration_seconds"
+        assert total(api, latency + "_count", route="/healthz", method="GET") == 10 + 1
+        assert total(api, latency + "_bucket", route="/healthz", le="+Inf") == 10 + 1
+        assert total(api, latency + "_count", route="/generate", method="POST") == 2
         assert total(api, "genq:api_requests_total", route="/v1/jobs", method="POST", status="202") == STREAMED
-        assert total(api, "genq:api_jobs_submitted_total", model_name=metered.name) == STREAMED + BLOCKING
+        assert total(api, "genq:api_jobs_submitted_total", model_name=metered.name) == STREAMED + BLOCKING + 2
         assert total(api, "genq:api_jobs_rejected_total", status="503", reason="no_worker") == 1
         assert total(api, "genq:workers_live", model_name=metered.name, engine="hf") == 2
+        assert total(api, "genq:workers_live", model_name=metered.name + "-echo", engine="echo") == 1
         assert total(api, "genq:num_requests_waiting", model_name=metered.name) == 0
         assert total(api, "genq:api_open_streams") == 0
 
@@ -155,3 +196,16 @@ def test_waiting_jobs_are_the_queue_depth_over_every_priority(make_stack):
         for job_id in ids:
             s.post(f"/v1/jobs/{job_id}/cancel")
     assert total(scrape(s.base + "/metrics"), "genq:num_requests_waiting", model_name=s.name) == 0
+
+
+def test_finish_reasons_are_vllms():
+    """EOS and stop strings are vLLM's `stop`; a cancelled, timed-out or taken-over job `abort`."""
+    from worker.engines.base import GenerationError
+    from worker.metrics import finished_reason
+
+    ok = {r: finished_reason("SUCCESS", {"finish_reason": r}) for r in ("eos", "stop", "length", "timeout")}
+    assert ok == {"eos": "stop", "stop": "stop", "length": "length", "timeout": "abort"}
+    assert finished_reason("FAILURE", GenerationError("timeout", "x")) == "abort"
+    assert finished_reason("FAILURE", GenerationError("prompt_too_long", "x")) == "error"
+    assert finished_reason("FAILURE", RuntimeError("boom")) == "error"
+    assert finished_reason("IGNORED", None) == "abort"

@@ -6,7 +6,8 @@ webapp/gunicorn_conf.py, which also marks exited processes dead) and `/metrics`,
 process answers, adds them all up. Without that directory (the Flask test client, a single
 process) the process's own registry is served.
 
-What the API counts: requests by route, method and status; jobs queued, per model; job
+What the API counts: requests by route, method and status, and their latency by route and
+method (`genq:api_request_duration_seconds`); jobs queued, per model; job
 submissions refused with 429 or 503, by the error's code; open token streams. Live workers per
 model and engine and the jobs waiting per model (`genq:num_requests_waiting`: the queue's exact
 depth, priority sub-queues included, tasks/jobs.py) are read from Redis when scraped.
@@ -25,7 +26,7 @@ import os
 import time
 
 from celery.signals import after_task_publish, before_task_publish
-from flask import Flask, Response, request
+from flask import Flask, Response, g, request
 
 from tasks.celery_app import GENERATE_TASK
 from tasks.config import Settings, queue_for
@@ -35,6 +36,10 @@ from webapp.openapi import doc
 from webapp.service import EXTENSION
 
 log = logging.getLogger(__name__)
+
+# The API's request latency: from milliseconds (a job's record) to GENQ_MAX_WAIT (blocking calls).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, 120.0, 300.0)
 
 # Read from Redis at scrape time, not counted: (name, help).
 WORKERS_LIVE = ("genq:workers_live", "Live workers with a loaded model, per model and engine.")
@@ -47,11 +52,14 @@ class ApiMetrics:
     built earlier would keep single-process values."""
 
     def __init__(self, registry=None):
-        from prometheus_client import REGISTRY, Counter, Gauge
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
         registry = registry or REGISTRY
         self.requests = Counter("genq:api_requests", "HTTP requests by route, method and status.",
                                 ["route", "method", "status"], registry=registry)
+        self.latency = Histogram("genq:api_request_duration_seconds", "Seconds from a request's arrival "
+                                 "to its response (a stream: until it opens), by route and method.",
+                                 ["route", "method"], buckets=LATENCY_BUCKETS, registry=registry)
         self.submitted = Counter("genq:api_jobs_submitted", "Jobs queued.", ["model_name"], registry=registry)
         self.rejected = Counter("genq:api_jobs_rejected", "Job submissions refused: 429 (queue full, "
                                 "quota) or 503 (no worker, Redis away), by the error's code.",
@@ -110,9 +118,17 @@ def method_label(method: str) -> str:
     return method if method in METHODS else "other"
 
 
+def _arrived() -> None:
+    g.genq_arrived = time.perf_counter()
+
+
 def _record(response: Response) -> Response:
     rule = request.url_rule
     status = response.status_code
+    arrived = g.pop("genq_arrived", None)
+    if arrived is not None:
+        _m.latency.labels(rule.rule if rule else "unmatched", method_label(request.method)).observe(
+            time.perf_counter() - arrived)
     _m.requests.labels(rule.rule if rule else "unmatched", method_label(request.method), str(status)).inc()
     if status in (429, 503) and request.method == "POST":
         body = response.get_json(silent=True) or {}
@@ -137,6 +153,7 @@ def init_app(app: Flask, settings: Settings) -> None:
         _m = ApiMetrics()
     scraped = CollectorRegistry(auto_describe=False)
     scraped.register(_FromRedis(app.extensions[EXTENSION]))
+    app.before_request(_arrived)
     app.after_request(_record)
 
     @app.get("/metrics")

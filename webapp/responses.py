@@ -61,6 +61,7 @@ class Health(BaseModel):
 
 class ReadyWorker(BaseModel):
     name: str
+    model: str | None = None
     engine: str
     capacity: int
     host: str | None = None
@@ -70,4 +71,7 @@ class ReadyWorker(BaseModel):
 class Ready(BaseModel):
     status: Literal["ready"]
     model: str
-    workers: list[ReadyWorker]
+    workers: list[ReadyWorker] = Field(description="the live workers serving `model`")
+    other_workers: list[ReadyWorker] = Field(
+        default_factory=list, description="the live workers serving other models (each with its metrics port)"
+    )

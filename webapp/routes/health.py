@@ -26,14 +26,19 @@ def readyz():
     service = current_service()
     model = service.settings.served_model
     try:
-        workers = [w for w in service.live_workers(fresh=True) if w.model == model]
+        live = service.live_workers(fresh=True)
     except BROKER_ERRORS as exc:
         why = f"Redis does not answer: {type(exc).__name__}: {exc}"
         return error_response(503, "broker_unavailable", why, BROKER_RETRY_AFTER)
+    workers = [w for w in live if w.model == model]
     if not workers:
         return error_response(503, "not_ready", f"no live worker with a loaded model serves {model!r}")
+    shown = {"name", "model", "engine", "capacity", "host", "metrics_port"}
     return {
         "status": "ready",
         "model": model,
-        "workers": [w.model_dump(include={"name", "engine", "capacity", "host", "metrics_port"}) for w in workers],
+        "workers": [w.model_dump(include=shown) for w in workers],
+        # The workers of the other models (a second engine's, GENQ_ENGINES=hf,vllm): every
+        # metrics port is here.
+        "other_workers": [w.model_dump(include=shown) for w in live if w.model != model],
     }
