@@ -22,6 +22,12 @@ User classes
 ``BatchGenerateUser``
     ``POST /generate`` with a few prompts; ``generated_texts`` must hold one
     text per prompt, each starting with its prompt.
+``CompletionsUser``
+    ``POST /v1/completions`` (OpenAI's body: ``model``, ``prompt``, ``max_tokens``);
+    the first choice must have a ``text``.
+``ChatCompletionsUser``
+    ``POST /v1/chat/completions`` (OpenAI's body: ``model``, ``messages`` with one
+    user message, ``max_tokens``); the first choice must have ``message.content``.
 ``StreamingUser``
     ``POST /v1/jobs`` then reads ``GET /v1/jobs/<id>/stream`` (SSE) to its
     ``done`` event.  What matters for LLM serving gets entries of its own in the
@@ -40,9 +46,11 @@ response's ``Retry-After`` seconds (capped) before carrying on.
 
 Environment
 -----------
+``GENQ_API_KEY``                sent as ``Authorization: Bearer <key>`` on every request
+                                (a stack with API keys answers 401 without one)
 ``GENQ_LOCUST_MAX_NEW_TOKENS``  max_new_tokens sent with /v1/jobs (default 32)
-``GENQ_LOCUST_MODEL``           model name sent with /v1/jobs (default: none,
-                                i.e. the server's default model)
+``GENQ_LOCUST_MODEL``           model name sent with /v1/jobs and the OpenAI routes
+                                (default: none, i.e. the server's default model)
 ``GENQ_LOCUST_POLL_WAIT``       ``wait=`` seconds for each poll (default 30)
 ``GENQ_LOCUST_JOB_TIMEOUT``     give up on a job after this many seconds (default 600)
 ``GENQ_LOCUST_REQUEST_TIMEOUT`` HTTP timeout for the blocking endpoints (default 300)
@@ -105,6 +113,7 @@ def _env_float(name: str, default: float) -> float:
 
 
 MAX_NEW_TOKENS = _env_int("GENQ_LOCUST_MAX_NEW_TOKENS", 32)
+API_KEY = os.environ.get("GENQ_API_KEY", "").strip() or None
 MODEL = os.environ.get("GENQ_LOCUST_MODEL", "").strip() or None
 POLL_WAIT = _env_float("GENQ_LOCUST_POLL_WAIT", 30.0)
 JOB_TIMEOUT = _env_float("GENQ_LOCUST_JOB_TIMEOUT", 600.0)
@@ -146,6 +155,10 @@ class _GenqUser(HttpUser):
 
     abstract = True
     wait_time = constant(0)
+
+    def on_start(self) -> None:
+        if API_KEY:
+            self.client.headers["Authorization"] = f"Bearer {API_KEY}"
 
     def _handle_queue_full(self, resp) -> bool:
         """Mark a 429 as a clearly named failure and back off. True if it was one."""
@@ -323,6 +336,47 @@ class BatchGenerateUser(_GenqUser):
             return None
 
         self._post_checked("/generate", {"prompts": prompts}, check)
+
+
+class CompletionsUser(_GenqUser):
+    """OpenAI's completions, as OpenAI clients and vLLM's benchmark send them."""
+
+    weight = 1
+
+    @task
+    def completions(self) -> None:
+        body = {"prompt": random.choice(PROMPTS), "max_tokens": MAX_NEW_TOKENS}
+        if MODEL:
+            body["model"] = MODEL
+
+        def check(data) -> str | None:
+            choices = data.get("choices") if isinstance(data, dict) else None
+            if not choices or not isinstance(choices[0].get("text"), str):
+                return "no choices[0].text in response"
+            return None
+
+        self._post_checked("/v1/completions", body, check)
+
+
+class ChatCompletionsUser(_GenqUser):
+    """OpenAI's chat completions: one user message."""
+
+    weight = 1
+
+    @task
+    def chat(self) -> None:
+        body = {"messages": [{"role": "user", "content": random.choice(PROMPTS)}], "max_tokens": MAX_NEW_TOKENS}
+        if MODEL:
+            body["model"] = MODEL
+
+        def check(data) -> str | None:
+            choices = data.get("choices") if isinstance(data, dict) else None
+            message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                return "no choices[0].message.content in response"
+            return None
+
+        self._post_checked("/v1/chat/completions", body, check)
 
 
 class StreamingUser(_GenqUser):

@@ -67,6 +67,7 @@ class FakeClient:
     def __init__(self, script):
         self.script = list(script)
         self.calls = []
+        self.headers = {}
 
     def _request(self, method, path, **kw):
         reply = self.script.pop(0)
@@ -81,6 +82,7 @@ class FakeClient:
             "json": kw.get("json"),
             "catch_response": kw.get("catch_response"),
             "timeout": kw.get("timeout"),
+            "authorization": self.headers.get("Authorization"),
             "resp": resp,
         })
         return resp
@@ -103,6 +105,7 @@ def run(cls, script):
     # locust's runner copies --host onto the class; do the same on a throwaway subclass
     user = type(cls.__name__, (cls,), {"host": env.host})(env)
     user.client = FakeClient(script)
+    user.on_start()
     tasks = cls.tasks
     assert len(tasks) == 1, tasks
     tasks[0](user)
@@ -137,10 +140,15 @@ for name in dir(locustfile):
 JOB = "j-1"
 queued = (202, {"id": JOB, "status": "queued"}, {"Location": "/v1/jobs/" + JOB})
 out = {
-    "doc": locustfile.__doc__ or "",
     "classes": classes,
     "max_new_tokens": locustfile.MAX_NEW_TOKENS,
     "terminal": sorted(locustfile.TERMINAL_STATUSES),
+    "completions_ok": run(locustfile.CompletionsUser, [
+        (200, {"choices": [{"index": 0, "text": " more", "finish_reason": "length"}]})]),
+    "completions_bad": run(locustfile.CompletionsUser, [(200, {"choices": []})]),
+    "chat_ok": run(locustfile.ChatCompletionsUser, [
+        (200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]})]),
+    "chat_bad": run(locustfile.ChatCompletionsUser, [(200, {"choices": [{"index": 0, "text": "hi"}]})]),
     "jobs_ok": run(locustfile.JobsUser, [
         queued,
         (200, {"id": JOB, "status": "queued"}),
@@ -194,7 +202,7 @@ print("RESULT " + json.dumps(out))
 
 
 def _child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GENQ_LOCUST_", "LOCUST_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GENQ_LOCUST_", "LOCUST_")) and k != "GENQ_API_KEY"}
     env.update(extra)
     return env
 
@@ -224,12 +232,6 @@ def _users(result) -> dict:
     return {name: info for name, info in result["classes"].items() if not info["abstract"]}
 
 
-def test_docstring_shows_headless_run(result):
-    doc = result["doc"]
-    assert "locust -f locustfile.py --headless" in doc
-    assert "--host" in doc
-
-
 def test_user_classes_exist_and_are_host_agnostic(result):
     users = _users(result)
     assert {"JobsUser", "BasicGenerateUser"} <= set(users), users
@@ -241,16 +243,27 @@ def test_user_classes_exist_and_are_host_agnostic(result):
         assert info["weight"] >= 1
 
 
-def test_default_max_new_tokens_is_32(result):
-    assert result["max_new_tokens"] == 32
-    submit = result["jobs_ok"]["calls"][0]
-    assert submit["json"]["max_new_tokens"] == 32
-
-
-def test_max_new_tokens_from_env():
-    out = _drive(GENQ_LOCUST_MAX_NEW_TOKENS="7")
+def test_max_new_tokens_and_api_key_from_env(result):
+    out = _drive(GENQ_LOCUST_MAX_NEW_TOKENS="7", GENQ_API_KEY="sk-locust")
     assert out["max_new_tokens"] == 7
     assert out["jobs_ok"]["calls"][0]["json"]["max_new_tokens"] == 7
+    assert out["completions_ok"]["calls"][0]["json"]["max_tokens"] == 7
+    for case in ("jobs_ok", "basic_ok", "completions_ok", "chat_ok", "stream_ok"):
+        assert {c["authorization"] for c in out[case]["calls"]} == {"Bearer sk-locust"}, case
+        assert {c["authorization"] for c in result[case]["calls"]} == {None}, case
+
+
+def test_openai_users_send_openai_bodies(result):
+    (call,) = result["completions_ok"]["calls"]
+    assert (call["method"], call["path"]) == ("POST", "/v1/completions") and call["outcome"] == "success"
+    assert isinstance(call["json"]["prompt"], str) and call["json"]["max_tokens"] == result["max_new_tokens"]
+    (call,) = result["chat_ok"]["calls"]
+    assert (call["method"], call["path"]) == ("POST", "/v1/chat/completions") and call["outcome"] == "success"
+    (message,) = call["json"]["messages"]
+    assert message["role"] == "user" and isinstance(message["content"], str)
+    assert call["json"]["max_tokens"] == result["max_new_tokens"]
+    for case in ("completions_bad", "chat_bad"):
+        assert result[case]["calls"][0]["outcome"].startswith("failure"), case
 
 
 def test_jobs_user_submits_then_long_polls_until_succeeded(result):
@@ -282,8 +295,10 @@ def test_jobs_user_fails_on_non_succeeded_terminal_status(result, case):
     assert run["events"] and all(e["exception"] for e in run["events"])
 
 
-def test_terminal_statuses(result):
-    assert set(result["terminal"]) == {"succeeded", "failed", "cancelled", "expired"}
+def test_terminal_statuses_are_the_jobs(result):
+    from tasks.schemas import JobStatus
+
+    assert set(result["terminal"]) == {s.value for s in JobStatus if s.terminal}
 
 
 @pytest.mark.parametrize("case,retry_after", [("jobs_429", 3), ("basic_429", 2)])
@@ -323,7 +338,7 @@ def test_locust_cli_lists_the_user_classes():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     listed = proc.stdout + proc.stderr
-    for name in ("JobsUser", "BasicGenerateUser"):
+    for name in ("JobsUser", "BasicGenerateUser", "CompletionsUser", "ChatCompletionsUser"):
         assert name in listed, listed
     assert "_GenqUser" not in listed
 
@@ -370,3 +385,30 @@ def test_headless_run_against_a_real_stack_writes_ttft_rows(hf_stack, tmp_path):
     assert int(rows[("ITL", "/v1/jobs/[id]/stream")]["Request Count"]) >= 7 * int(ttft["Request Count"]) - 7 * 4
     assert int(rows[("QUEUE", "queue time (job record)")]["Request Count"]) >= 1
     assert int(rows[("GET", "/v1/jobs/[id]/stream")]["Failure Count"]) == 0, err[-3000:]
+
+
+def test_headless_completions_against_a_stack_with_api_keys(make_stack, tmp_path):
+    """GENQ_API_KEY reaches a keyed stack as a Bearer token: CompletionsUser's requests succeed
+    (each would be a 401 without it)."""
+    import csv
+
+    from scripts.stack import communicate_or_stop
+
+    key = "sk-locust-0123456789"
+    s = make_stack(GENQ_ENGINE="echo", GENQ_API_KEYS=key)
+    s.start_api()
+    s.start_worker()
+    s.wait_ready()
+    prefix = tmp_path / "genq"
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "2", "-r", "2",
+         "-t", "4s", "--host", s.base, "--csv", str(prefix), "--only-summary", "CompletionsUser"],
+        cwd=REPO_ROOT, env=_child_env(GENQ_API_KEY=key, GENQ_LOCUST_MAX_NEW_TOKENS="4"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    out, err, overran = communicate_or_stop(popen, timeout=60)
+    assert not overran, err[-3000:]
+    with open(f"{prefix}_stats.csv", newline="") as fh:
+        rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(fh)}
+    row = rows[("POST", "/v1/completions")]
+    assert int(row["Request Count"]) >= 1 and int(row["Failure Count"]) == 0, (row, err[-3000:])
