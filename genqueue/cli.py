@@ -152,7 +152,16 @@ def cmd_workers(client: Client, args: argparse.Namespace) -> int:
     return OK
 
 
+def cmd_stream(client: Client, args: argparse.Namespace) -> int:
+    return _stream(client, args.id, args.max_wait)
+
+
 def cmd_batch(client: Client, args: argparse.Namespace) -> int:
+    try:
+        open(args.input, "rb").close()
+    except OSError as exc:
+        print(f"genq: {args.input}: {exc.strerror or exc}", file=sys.stderr)
+        return USAGE
     start = time.monotonic()
     code, problem = OK, None
     try:
@@ -263,6 +272,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("--wait", type=float, metavar="S", help="first wait up to S seconds for it to end (as GET ?wait=S)")
     p.set_defaults(run=cmd_get)
+
+    p = sub.add_parser(
+        "stream", parents=[common], epilog=EPILOG, formatter_class=fmt,
+        help="print a job's tokens as they come (re-attach to a running job)",
+        description=_wrap("Print the tokens of a job (GET /v1/jobs/ID/stream): those generated so far, then "
+        "the rest as they come, resuming after a dropped connection. Works for a queued, running or "
+        "finished job (a replay). Exit 1 if it failed, was cancelled or expired."),
+    )  # fmt: skip
+    p.add_argument("id")
+    p.add_argument("--max-wait", type=float, metavar="S", help="give up after S seconds (exit 3; the job goes on)")
+    p.set_defaults(run=cmd_stream)
 
     p = sub.add_parser(
         "cancel", parents=[common], epilog=EPILOG, formatter_class=fmt, help="cancel a queued or running job",

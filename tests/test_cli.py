@@ -171,3 +171,21 @@ def test_batch_writes_the_output_in_input_order(tmp_path):
         assert out.returncode == 4
     finally:
         server.stop()
+
+
+def test_stream_reattaches_to_a_running_job(hf_stack):
+    """`genq stream ID` follows a job someone else submitted: the tokens so far, then the rest."""
+    job_id = genq("--url", hf_stack.base, "submit", "Once upon a time", "--max-new-tokens", "120",
+                  "--param", "ignore_eos=true").stdout.strip()
+    out = genq("--url", hf_stack.base, "stream", job_id)
+    assert out.returncode == 0, out.stderr
+    job = hf_stack.get(f"/v1/jobs/{job_id}?wait=60").json()
+    assert job["status"] == "succeeded" and out.stdout == job["result"]["text"] + "\n"
+    out = genq("--url", hf_stack.base, "stream", "no-such-job")
+    assert out.returncode == 2 and "404" in out.stderr
+
+
+def test_batch_on_a_missing_file_is_a_usage_error(tmp_path):
+    out = genq("--url", "http://127.0.0.1:9", "batch", str(tmp_path / "missing.jsonl"))
+    assert out.returncode == 2, out.stderr
+    assert "missing.jsonl: No such file or directory" in out.stderr and "Traceback" not in out.stderr
