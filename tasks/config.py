@@ -27,6 +27,10 @@ class Settings(BaseSettings):
     torch_threads: int = Field(
         0, ge=0, description="the hf engine's torch (OpenMP) threads; 0: torch's default, one per core"
     )
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="hf engine: where the model and its "
+        "KV cache live: auto (CUDA when torch sees a GPU, else cpu), cpu, cuda or cuda:N",
+    )
     packed_linears: bool = Field(
         True, description="hf engine: linear layers through oneDNN with weights packed at load "
         "(worker/engines/packed.py); false: PyTorch's nn.Linear",

@@ -55,22 +55,34 @@ def spec(i: int, prompt: str, n: int, priority: int = 0) -> JobSpec:
                    params=SamplingParams(max_new_tokens=n))
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "pytorch-linears"])
+# The same parity on a GPU where torch sees one (README: "On a GPU"); packed linears are a CPU path.
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+VARIANTS = [
+    pytest.param("cpu", True, id="cpu-packed"),
+    pytest.param("cpu", False, id="cpu-pytorch-linears"),
+    pytest.param("cuda", False, id="cuda", marks=[pytest.mark.cuda, CUDA]),
+]
+
+
+@pytest.mark.parametrize("device,packed", VARIANTS)
 @pytest.mark.parametrize("name", ARCHS)
-def test_staggered_jobs_and_preemption_match_generate_alone(name, packed, checkpoints):
+def test_staggered_jobs_and_preemption_match_generate_alone(name, device, packed, checkpoints):
     """Jobs join a batch that is decoding (different prompt lengths, so left padding and rows
     admitted at different columns), background rows give their place to foreground ones and
     resume later (preemption by recompute): every text is generate's of that prompt alone."""
     path = checkpoints[name]
     ref = Reference(path)
     engine = HFEngine(Settings(model=str(path), model_name="t", max_batch_size=4, reserved_slots=0,
-                               packed_linears=packed, dtype="float32"))
+                               packed_linears=packed, dtype="float32", device=device))
+    assert engine.device.startswith(device)
     try:
         jobs = []
         # Background jobs fill the batch; foreground ones arrive while they decode and preempt.
         for i, prompt in enumerate(PROMPTS[:4]):
             jobs.append((prompt, 30, engine.submit(spec(i, prompt, 30, priority=1))))
-        time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while len(engine._seqs) < 4 and time.monotonic() < deadline:  # all four decoding
+            time.sleep(0.002)
         for i, prompt in enumerate(PROMPTS[4:], start=4):
             jobs.append((prompt, 6 + 3 * i, engine.submit(spec(i, prompt, 6 + 3 * i))))
             if i % 2:
@@ -146,6 +158,8 @@ def test_every_architecture_through_the_queue(make_stack, checkpoints):
     models = {f"{s.name}-{name}" for name in ARCHS}
     stackmod.wait_until(lambda: models <= {m["id"] for m in s.get("/v1/models").json().get("data", [])},
                         180, "a worker of every architecture", s.procs)
+    cards = [m for m in s.get("/v1/models").json()["data"] if m["id"] in models]
+    assert all(m["devices"] == ["cpu"] for m in cards)  # GENQ_DEVICE=auto without a GPU
 
     def complete(name: str, prompt: str, n: int) -> str:
         body = {"model": f"{s.name}-{name}", "prompt": prompt, "max_tokens": n, "temperature": 0}
@@ -182,3 +196,19 @@ def test_a_refused_architecture_stops_its_worker_with_the_reason(make_stack, tin
     assert proc.popen.returncode != 0
     log = proc.log.read_text()
     assert "Gemma2ForCausalLM" in log and "sliding" in log
+
+
+def test_device_setting():
+    from worker.engines.base import GenerationError
+    from worker.engines.hf import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_device("auto").type == "cuda" and resolve_device("cuda").index is not None
+    else:
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(GenerationError, match="no CUDA device"):
+            resolve_device("cuda:0")
+    for bad in ("gpu", "cuda:x", "tpu"):
+        with pytest.raises(ValueError):
+            Settings(device=bad)

@@ -97,6 +97,11 @@ def test_readyz_has_every_metrics_port(metered):
     assert len(ports) == 3 and None not in ports
     echo = scrape(f"http://127.0.0.1:{other['metrics_port']}/metrics")
     assert total(echo, "genq:request_success_total", model_name=other["model"], engine="0") == 0
+    # Where each engine runs its model: the hf workers' devices in /readyz and their metrics.
+    assert {w["device"] for w in body["workers"]} == {"cpu"}
+    for w in body["workers"]:
+        own = scrape(f"http://127.0.0.1:{w['metrics_port']}/metrics")
+        assert total(own, "genq:engine_device_info", model_name=metered.name, device="cpu") == 1
 
 
 def test_worker_counts_add_up(metered, outcome):

@@ -309,6 +309,7 @@ class ModelCard(BaseModel):
     created: int = Field(description="unix time the first live worker serving it started")
     owned_by: str = "genqueue"
     max_model_len: int | None = Field(None, description="the model's context, in tokens")
+    devices: list[str] = Field([], description="where its live workers run it (cpu, cuda:N)")
 
 
 class ModelList(BaseModel):

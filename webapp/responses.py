@@ -63,6 +63,7 @@ class ReadyWorker(BaseModel):
     name: str
     model: str | None = None
     engine: str
+    device: str = Field("cpu", description="where it runs the model: cpu, cuda:N")
     capacity: int
     host: str | None = None
     metrics_port: int | None = None

@@ -130,7 +130,7 @@ def main() -> None:
     engine = create_engine(settings, publisher)
     log.info("engine loaded in %.1f s; capacity %d", time.monotonic() - started, engine.capacity)
     metrics_port = metrics.start(settings.metrics_port, settings.metrics_host, settings.served_model,
-                                 engine.name, engine.max_model_len)
+                                 engine.name, engine.max_model_len, engine.device)
     store = JobStore(client, settings.result_ttl, settings.max_attempts)
     tasks.runtime.engine = engine
     tasks.runtime.store = store
@@ -149,6 +149,7 @@ def main() -> None:
         pid=os.getpid(),
         started=time.time(),
         max_model_len=engine.max_model_len,
+        device=engine.device,
         metrics_port=metrics_port,
     )
     registry = Registry(client, settings.heartbeat_ttl)

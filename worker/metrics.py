@@ -81,7 +81,7 @@ class WorkerMetrics:
     """Every metric of one worker process, bound to its model and engine."""
 
     def __init__(self, model: str, engine: str, max_model_len: int | None = None,
-                 registry: CollectorRegistry = REGISTRY):
+                 registry: CollectorRegistry = REGISTRY, device: str = "cpu"):
         labels = ["model_name", "engine"]
         self.kind, engine = engine, ENGINE_INDEX
 
@@ -120,6 +120,8 @@ class WorkerMetrics:
         self.preemptions = counter("genq:num_preemptions", "Background jobs (batch lines) that gave "
                                    "their row up to a foreground job and were taken up again later "
                                    "(hf engine).")
+        Gauge("genq:engine_device_info", "1, labelled with where this worker's engine runs the "
+              "model (cpu, cuda:N).", labels + ["device"], registry=registry).labels(model, engine, device).set(1)
         for reason in FINISHED_REASONS:  # every series exists from the start, at 0, as vLLM's
             self.success(reason)
 
@@ -142,14 +144,14 @@ _metrics: WorkerMetrics | None = None
 _jobs: dict[str, _Job] = {}  # the jobs this process runs; dict operations are atomic
 
 
-def start(port: int, host: str, model: str, engine: str, max_model_len: int | None) -> int | None:
+def start(port: int, host: str, model: str, engine: str, max_model_len: int | None, device: str = "cpu") -> int | None:
     """Define the metrics and serve them on the first free port from `port` on; returns that
     port, or None when `port` is 0 (metrics off)."""
     global _metrics
     if not port:
         return None
     prom.disable_created_metrics()
-    m = WorkerMetrics(model, engine, max_model_len)
+    m = WorkerMetrics(model, engine, max_model_len, device=device)
     m.running.set_function(lambda: len(_jobs))
     for candidate in range(port, min(port + PORT_RANGE, 65536)):
         try:

@@ -33,7 +33,7 @@ def readyz():
     workers = [w for w in live if w.model == model]
     if not workers:
         return error_response(503, "not_ready", f"no live worker with a loaded model serves {model!r}")
-    shown = {"name", "model", "engine", "capacity", "host", "metrics_port"}
+    shown = {"name", "model", "engine", "device", "capacity", "host", "metrics_port"}
     return {
         "status": "ready",
         "model": model,

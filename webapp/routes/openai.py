@@ -30,6 +30,8 @@ def models():
     for w in current_service().live_workers(fresh=True):
         card = seen.setdefault(w.model, protocol.ModelCard(id=w.model, created=int(w.started), max_model_len=w.max_model_len))
         card.created = min(card.created, int(w.started))
+        if w.device not in card.devices:
+            card.devices.append(w.device)
     return protocol.ModelList(data=list(seen.values())).model_dump(mode="json")
 
 

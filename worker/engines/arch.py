@@ -92,7 +92,7 @@ def probe(lm, pad: int) -> None:
     """A row prefilled alone, then joined to a longer row's batch as the engine joins rows
     (worker/engines/kvcache.py: left-padded columns, positions passed), and decoded two tokens:
     the same logits as the row alone, or the model is refused. Random token ids, in the model's
-    dtype."""
+    dtype, on its device."""
     from worker.engines.kvcache import SlotKV
 
     name = _name(lm.config)
@@ -100,13 +100,13 @@ def probe(lm, pad: int) -> None:
         raise UnsupportedModel(f"{name} takes no position_ids; the hf engine cannot batch it exactly")
     gen = torch.Generator().manual_seed(0)
     vocab = lm.config.vocab_size
-    long, short = torch.randint(4, vocab, (1, 11), generator=gen), torch.randint(4, vocab, (1, 5), generator=gen)
+    long, short = (torch.randint(4, vocab, (1, n), generator=gen).to(lm.device) for n in (11, 5))
     follow = torch.randint(4, vocab, (2,), generator=gen).tolist()
     tol = 1e-3 if lm.dtype == torch.float32 else 5e-2
 
     def run(prompts: list[torch.Tensor]) -> torch.Tensor:
         """The last row's logits after its prefill and each followed token."""
-        kv = SlotKV.for_model(lm.config, lm.dtype, len(prompts))
+        kv = SlotKV.for_model(lm.config, lm.dtype, len(prompts), lm.device)
         for ids in prompts:  # one prefill each, as jobs that arrive at different times
             mask = torch.ones_like(ids)
             out = lm(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1) - 1, use_cache=True)
@@ -115,7 +115,7 @@ def probe(lm, pad: int) -> None:
         rows = len(prompts)
         for token in follow:
             positions = kv.positions(rows)
-            step = torch.full((rows, 1), token, dtype=torch.long)
+            step = torch.full((rows, 1), token, dtype=torch.long, device=lm.device)
             out = lm(input_ids=step, position_ids=positions, attention_mask=kv.step_mask(rows),
                      past_key_values=kv.cache, use_cache=True)
             kv.advance()

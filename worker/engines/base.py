@@ -54,6 +54,7 @@ class Engine(abc.ABC):
     reserved: int = 0
     model: str
     max_model_len: int | None = None
+    device: str = "cpu"  # where the model runs (vLLM's engine: as it chose)
     job_timeout: float = 600.0
 
     def time_limit(self, spec: JobSpec) -> tuple[float, str]:

@@ -44,6 +44,21 @@ from worker.engines.logits import RowProcessors, logprobs, sample
 log = logging.getLogger(__name__)
 
 
+def resolve_device(setting: str) -> torch.device:
+    """GENQ_DEVICE as a torch device: auto is CUDA (the current GPU) when torch sees one."""
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(setting)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GenerationError("no_device", f"GENQ_DEVICE={setting}, but torch sees no CUDA device")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise GenerationError("no_device", f"GENQ_DEVICE={setting}: torch sees {torch.cuda.device_count()} GPUs")
+        device = torch.device("cuda", index)
+    return device
+
+
 @dataclass(eq=False)
 class _Seq:
     spec: JobSpec
@@ -102,13 +117,18 @@ class HFEngine(Engine):
             torch.set_num_threads(settings.torch_threads)
         log.info("torch threads: %d", torch.get_num_threads())
         self.tok = AutoTokenizer.from_pretrained(settings.model)
-        dtype, why = resolve_dtype(settings.dtype)
-        log.info("weights in %s (%s)", dtype, why)
+        self._device = resolve_device(settings.device)
+        self.device = str(self._device)
+        dtype, why = resolve_dtype(settings.dtype, gpu=self._device.type == "cuda")
+        if dtype == "auto":  # on a GPU: bfloat16 where it computes it, else float16
+            dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        log.info("weights in %s (%s) on %s", dtype, why, self.device)
         cfg = AutoConfig.from_pretrained(settings.model)
         self.max_model_len, notes = arch.prepare(cfg)  # raises for a model it cannot batch exactly
         for note in notes:
             log.info("%s: %s", cfg.model_type, note)
-        self.lm = AutoModelForCausalLM.from_pretrained(settings.model, config=cfg, dtype=getattr(torch, dtype)).eval()
+        self.lm = AutoModelForCausalLM.from_pretrained(settings.model, config=cfg, dtype=getattr(torch, dtype))
+        self.lm = self.lm.to(self._device).eval()
         self.eos = self.tok.eos_token_id if self.tok.eos_token_id is not None else cfg.eos_token_id
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos
         arch.probe(self.lm, self.pad)
@@ -125,7 +145,7 @@ class HFEngine(Engine):
         # in place, worker/engines/kvcache.py) cover every token fed so far; `_next` holds each
         # row's newest token, which the next step feeds.
         self._seqs: list[_Seq] = []
-        self._kv = SlotKV.for_model(cfg, self.lm.dtype, self.capacity)
+        self._kv = SlotKV.for_model(cfg, self.lm.dtype, self.capacity, self._device)
         self._next: torch.Tensor | None = None
         # The batch's logits processors (None while no row needs any) and the rows that want
         # log-probabilities, both in step with `_seqs`.
@@ -139,9 +159,8 @@ class HFEngine(Engine):
         # The linears are packed on the thread that will run them (`_start`); the engine is
         # ready, or its constructor raises, once that is done.
         self._started: Future[None] = Future()
-        self._thread = threading.Thread(
-            target=self._run, args=(settings.packed_linears,), name="genq-scheduler", daemon=True
-        )
+        pack = settings.packed_linears and self._device.type == "cpu"  # oneDNN: a CPU path
+        self._thread = threading.Thread(target=self._run, args=(pack,), name="genq-scheduler", daemon=True)
         self._thread.start()
         self._started.result()
 
@@ -325,6 +344,7 @@ class HFEngine(Engine):
         # Each row's own positions, whatever its left padding (OPT derives them from the mask;
         # most architectures would otherwise number every row's columns from 0 alike).
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = (t.to(self._device) for t in (ids, mask, positions))
         out = self.lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         raw = out.logits[:, -1, :]
         procs = RowProcessors.build(
@@ -336,7 +356,7 @@ class HFEngine(Engine):
         lps = self._logprobs(new, raw, first, [i for i, s in enumerate(new) if s.lp is not None])
         base = len(self._seqs)
         self._procs = RowProcessors.join(self._procs, procs, base, len(new), raw.shape[-1])
-        self._join(new, out.past_key_values, mask, first.view(-1, 1))
+        self._join(new, out.past_key_values, mask, first.view(-1, 1).to(self._device))
         self._lp_rows = [i for i, s in enumerate(self._seqs) if s.lp is not None]
         self._settle(first.tolist(), offset=base, lps=lps)
         self._partition()
@@ -375,14 +395,19 @@ class HFEngine(Engine):
         tokens = self._choose(seqs, raw, procs)
         lps = self._logprobs(seqs, raw, tokens, [r for r in self._lp_rows if r < batch])
         if batch == rows:
-            self._next = tokens.view(-1, 1)
+            self._next = tokens.view(-1, 1).to(self._device)
         else:
-            self._next[:batch, 0] = tokens
+            self._next[:batch, 0] = tokens.to(self._device)
         self._settle(tokens.tolist(), lps=lps)
 
     def _choose(self, seqs: list[_Seq], raw: torch.Tensor, procs: RowProcessors | None) -> torch.Tensor:
-        """Each row's next token: from the raw logits, or the processed ones where a row of
-        the batch asked for penalties or min_tokens."""
+        """Each row's next token, on the CPU: from the raw logits, or the processed ones where a
+        row of the batch asked for penalties or min_tokens. Sampling, the processors and the
+        seeded generators stay on the CPU whatever the model's device (the same draws for a
+        seed on every device); a greedy batch copies only its tokens back from a GPU."""
+        if procs is None and raw.device.type != "cpu" and all(s.spec.params.greedy for s in seqs):
+            return raw.argmax(-1).cpu()
+        raw = raw.cpu()
         if procs is None:
             return self._sample(seqs, raw)
         tokens = self._sample(seqs, procs.apply(raw))
@@ -394,7 +419,7 @@ class HFEngine(Engine):
         if not rows:
             return {}
         top = [seqs[i].spec.params.logprobs for i in rows]
-        return dict(zip(rows, logprobs(raw, tokens, rows, top)))
+        return dict(zip(rows, logprobs(raw.cpu(), tokens, rows, top)))
 
     def _piece(self, token: int) -> str:
         piece = self._pieces.get(token)
@@ -435,7 +460,7 @@ class HFEngine(Engine):
         idx = torch.tensor(order)
         if self._procs is not None:
             self._procs = self._procs.select(idx)
-        self._next = self._next.index_select(0, idx)
+        self._next = self._next.index_select(0, idx.to(self._device))
         self._seqs = [self._seqs[i] for i in order]
         self._lp_rows = [i for i, s in enumerate(self._seqs) if s.lp is not None]
 

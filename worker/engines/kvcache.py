@@ -60,22 +60,24 @@ class _SlotLayer(DynamicLayer):
 
 
 class SlotKV:
-    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, max_rows: int):
+    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, max_rows: int,
+                 device: torch.device | str = "cpu"):
         self.shape = (layers, heads, head_dim)
+        self.device = torch.device(device)
         self.dtype, self.max_rows = dtype, max(1, max_rows)
         self.rows = self.start = self.end = 0
         self.active = 0  # the rows the current step feeds: the first `active` ones
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.mask = torch.zeros((0, 0), dtype=torch.long)
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self.cache = Cache(layers=[_SlotLayer(self, i) for i in range(layers)])
 
     @classmethod
-    def for_model(cls, config, dtype: torch.dtype, max_rows: int) -> "SlotKV":
+    def for_model(cls, config, dtype: torch.dtype, max_rows: int, device: torch.device | str = "cpu") -> "SlotKV":
         """Buffers shaped for `config`'s layers, key/value heads and head size."""
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.num_hidden_layers, heads, head_dim, dtype, max_rows)
+        return cls(config.num_hidden_layers, heads, head_dim, dtype, max_rows, device)
 
     @property
     def length(self) -> int:
@@ -135,7 +137,7 @@ class SlotKV:
         """Exchange rows a[i] and b[i] (disjoint): only those rows are copied."""
         if not a:
             return
-        ia, ib = torch.tensor(a), torch.tensor(b)
+        ia, ib = torch.tensor(a, device=self.device), torch.tensor(b, device=self.device)
         s, e = self.start, self.end
         for buf in (*self.k, *self.v, self.mask):
             view = buf[..., s:e] if buf is self.mask else buf[:, :, s:e]
@@ -154,7 +156,7 @@ class SlotKV:
         if holes:
             for h, m in zip(holes, movers):
                 order[h] = m
-            dst, src = torch.tensor(holes), torch.tensor(movers)
+            dst, src = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
             s, e = self.start, self.end
             for buf in (*self.k, *self.v):
                 buf[dst, :, s:e] = buf[src, :, s:e]
@@ -178,9 +180,10 @@ class SlotKV:
         cap_rows = max(rows, min(self.max_rows, 2 * self.mask.shape[0]), 1)
         length = self.length
         cols = left + length + max(right, length)
-        k = [torch.zeros((cap_rows, heads, cols, head_dim), dtype=self.dtype) for _ in range(layers)]
-        v = [torch.zeros((cap_rows, heads, cols, head_dim), dtype=self.dtype) for _ in range(layers)]
-        mask = torch.zeros((cap_rows, cols), dtype=torch.long)
+        new = dict(dtype=self.dtype, device=self.device)
+        k = [torch.zeros((cap_rows, heads, cols, head_dim), **new) for _ in range(layers)]
+        v = [torch.zeros((cap_rows, heads, cols, head_dim), **new) for _ in range(layers)]
+        mask = torch.zeros((cap_rows, cols), dtype=torch.long, device=self.device)
         r, s, e = self.rows, self.start, self.end
         if r and length:
             for new, old in zip(k + v, self.k + self.v):
