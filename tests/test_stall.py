@@ -86,3 +86,40 @@ def test_a_redis_stall_longer_than_the_ttl_loses_no_healthy_job(make_stack, tmp_
             pass
         s.stop()
         db.stop()
+
+
+def test_a_closed_broker_channel_still_acknowledges_its_messages(tmp_path):
+    """Celery closes the broker connection when it drops (kombu `collect`, then `close`): the
+    transport loses its client, the channel its transport and its pools. A job still running
+    then acknowledges its message on that channel once it finishes; that raised
+    `AttributeError: 'NoneType' object has no attribute 'client'` (kombu's `_connparams`),
+    which stopped the worker. Real Redis, real kombu connection and channel."""
+    from kombu import Connection, Exchange, Queue
+    import redis
+
+    import tasks.celery_app  # noqa: F401 - its kombu patch, as the worker has it
+    from worker.recovery import guard_restores
+
+    db = KillableRedis(tmp_path)
+    running: set[str] = set()
+    guard_restores(lambda: set(running))
+    conn = Connection(db.url)
+    r = redis.Redis.from_url(db.url, decode_responses=True)
+    try:
+        chan = conn.channel()
+        queue = Queue("genq.closed", Exchange("genq.closed"), "genq.closed")(chan)
+        queue.declare()
+        conn.Producer(chan).publish({"job": 1}, exchange=queue.exchange, routing_key="genq.closed")
+        msg = queue.get(no_ack=False)
+        running.add(msg.delivery_tag)  # a job running here: its message stays unacknowledged
+        conn.collect(socket_timeout=0.1)
+        conn.close()
+        chan._disconnect_pools()  # as Channel.close leaves it when the restore ran first
+        assert chan.connection is None
+        assert r.hexists("unacked", msg.delivery_tag)
+        msg.ack()  # the job finished
+        assert not r.hexists("unacked", msg.delivery_tag)
+        assert r.llen("genq.closed") == 0  # acknowledged, not given back
+    finally:
+        r.close()
+        db.stop()

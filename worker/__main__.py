@@ -28,6 +28,7 @@ from tasks.jobs import JobStore
 from tasks.registry import Registry, WorkerInfo
 from worker.recovery import Reaper, guard_restores
 from worker import metrics, tasks
+from worker.chat import Chat
 from worker.engines import create_engine
 from worker.publisher import StreamPublisher
 
@@ -113,7 +114,9 @@ class Heartbeat(threading.Thread):
 
 def main() -> None:
     settings = get_settings()
-    logging.config.dictConfig(logs.config(settings.log_format, os.environ.get("GENQ_LOG_LEVEL", "INFO")))
+    logs.configure(settings.log_format, os.environ.get("GENQ_LOG_LEVEL", "INFO"))
+    if settings.log_format == "json":
+        logs.libraries_as_json(os.environ.get("GENQ_LOG_LEVEL", "INFO"), transformers=settings.engine in ("hf", "vllm"))
     host = socket.gethostname()
     name = f"genq-{settings.engine}-{os.getpid()}@{host}"
     queue = queue_for(settings.served_model)
@@ -136,6 +139,7 @@ def main() -> None:
     tasks.runtime.store = store
     tasks.runtime.worker_name = name
     tasks.runtime.publisher = publisher
+    tasks.runtime.chat = Chat(getattr(engine, "tok", None), settings.chat_template, engine.max_model_len)
     app = make_celery(settings)
     tasks.register(app)
 
@@ -149,6 +153,7 @@ def main() -> None:
         pid=os.getpid(),
         started=time.time(),
         max_model_len=engine.max_model_len,
+        chat_template=tasks.runtime.chat.available,
         device=engine.device,
         metrics_port=metrics_port,
     )
@@ -179,8 +184,12 @@ def main() -> None:
         engine.close()
         publisher.close()
 
-    app.worker_main(
+    # app.worker_main drops the worker's exit status: a worker whose consumer died of an
+    # unrecoverable error (status 1) exited 0, and supervisors that restart on failure left it
+    # dead. Exit with it, at once: a thread that does not end must not keep a dead worker up.
+    status = app.start(
         [
+            *(["--quiet"] if settings.log_format == "json" else []),  # no banner: JSON lines only
             "worker",
             "--pool=threads",
             f"--concurrency={engine.capacity + engine.reserved}",
@@ -193,6 +202,10 @@ def main() -> None:
             *([] if settings.celery_events else ["--without-heartbeat"]),
         ]
     )
+    if status:
+        log.error("the Celery worker stopped with exit status %s; exiting", status)
+        logging.shutdown()
+        os._exit(status)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ broker holds (`Reaper.reconcile`):
   BRPOP and `unacked` for microseconds, never for a whole interval.
 
 kombu itself gives a worker's received-but-unstarted messages back to the queue when the
-connection drops (`restore_unacked_once` as the channel closes). While Redis is still down
+connection drops (`restore_unacked_once` as the channel closes; a closed channel keeps the
+parameters to reach Redis with, `_remember_connparams`, or that and every later ack of its
+messages raised). While Redis is still down
 that raises and takes the worker down; `guard_restores` makes it wait for Redis instead, and
 leaves the messages of jobs this worker is running where they are (it finishes and acks them
 once Redis is back): restoring them would run every job twice.
@@ -287,9 +289,44 @@ def _message_id(message: dict) -> str:
     return (message.get("headers") or {}).get("id", "")
 
 
+def _remember_connparams() -> None:
+    """Let a closed kombu Redis channel still reach Redis. When the broker connection drops,
+    Celery closes the connection: its transport loses `client` (kombu's Connection) and then
+    the channel its `connection` (the transport), and the channel drops its connection pools.
+    Whatever needs that channel's Redis afterwards rebuilds a pool from `_connparams`, which
+    reads them, and raised AttributeError: the QoS giving the closed channel's received
+    messages back (`'NoneType' object has no attribute 'hostname'`), and a task finishing
+    after the reconnect that acknowledges its message on the channel it came from (`... no
+    attribute 'client'`, in `ack`), which Celery took for an unrecoverable error and stopped
+    the worker. Each channel now keeps the parameters it built its (synchronous) pool with
+    and uses them once its connection is gone; the message is acknowledged in Redis (removed
+    from `unacked`) as it would have been. The asynchronous pool (the BRPOP loop's, whose
+    connections tell the closed transport's poller when they drop) is not rebuilt that way."""
+    if getattr(kombu_redis.Channel, "_genq_remembers_connparams", False):
+        return
+    build = kombu_redis.Channel._connparams
+
+    def _connparams(self, asynchronous=False):
+        transport = self.connection
+        if transport is None or getattr(transport, "client", None) is None:
+            saved = self.__dict__.get("_genq_connparams")
+            if asynchronous or saved is None:
+                raise redis.ConnectionError("the broker channel is closed")
+            return dict(saved)
+        params = build(self, asynchronous=asynchronous)
+        if not asynchronous:
+            self._genq_connparams = dict(params)
+        return params
+
+    kombu_redis.Channel._connparams = _connparams
+    kombu_redis.Channel._genq_remembers_connparams = True
+
+
 def guard_restores(running_tags: Callable[[], Collection[str]]) -> None:
     """Make kombu's restore of a closed channel's unacknowledged messages (its Redis QoS)
-    wait for Redis instead of raising, and skip the messages of jobs still running here."""
+    wait for Redis instead of raising, and skip the messages of jobs still running here; and
+    let a closed channel reach Redis (`_remember_connparams`)."""
+    _remember_connparams()
     original = kombu_redis.QoS.restore_unacked
     if getattr(original, "genq_guarded", False):
         return
