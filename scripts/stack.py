@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import logging
 import os
 import shutil
 import signal
@@ -310,6 +311,18 @@ def wait_until(check, timeout: float, what: str, procs: list[Proc] = ()) -> None
         time.sleep(0.1)
 
 
+_log: logging.Logger | None = None  # the launcher's logger, with GENQ_LOG_FORMAT=json (main)
+
+
+def say(text: str, err: bool = False, level: int = logging.INFO) -> None:
+    """One of the launcher's own lines: printed, or with GENQ_LOG_FORMAT=json a JSON log line
+    like every other process's (tasks/logs.py)."""
+    if _log is not None:
+        _log.log(level, text.strip("\n"))
+    else:
+        print(text, file=sys.stderr if err else sys.stdout, flush=True)
+
+
 class Restarting:
     """A worker `make run` keeps up: when it exits it is started again after a pause of 1 s,
     doubling up to 30 s while it keeps failing, back to 1 s once a run lasted 60 s. A crash
@@ -339,13 +352,13 @@ class Restarting:
             if ran >= self.STABLE_S:
                 self.delay = self.FIRST_DELAY
             why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            print(f"{self.name} exited ({why}) after {ran:.0f} s; restarting it in {self.delay:g} s",
-                  file=sys.stderr, flush=True)
+            say(f"{self.name} exited ({why}) after {ran:.0f} s; restarting it in {self.delay:g} s", err=True,
+                level=logging.WARNING)
             self.proc, self.restart_at = None, now + self.delay
             self.delay = min(2 * self.delay, self.MAX_DELAY)
         if now >= self.restart_at:
             self.start()
-            print(f"restarted {self.name} (pid {self.proc.pid})", file=sys.stderr, flush=True)
+            say(f"restarted {self.name} (pid {self.proc.pid})", err=True)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -356,7 +369,13 @@ def main() -> int:
     """`make run`: everything a developer needs on one machine, stopped again on Ctrl-C."""
     from tasks.config import Settings, is_loopback
 
+    global _log
     settings = Settings()
+    if settings.log_format == "json":
+        from tasks import logs
+
+        logs.configure("json", os.environ.get("GENQ_LOG_LEVEL", "INFO"))
+        _log = logging.getLogger("genq.launcher")
     env: dict[str, str] = {}
     if not os.environ.get("GENQ_MODEL"):
         from worker import devmodels
@@ -370,10 +389,10 @@ def main() -> int:
             "as 'tiny-opt'. Its text is gibberish. Set GENQ_MODEL=facebook/opt-125m (or a local\n"
             "checkpoint) for a real model."
         )
-        print("\n" + "!" * 78 + "\n" + banner + "\n" + "!" * 78 + "\n", flush=True)
+        say(banner if _log else "\n" + "!" * 78 + "\n" + banner + "\n" + "!" * 78 + "\n", level=logging.WARNING)
     if not is_loopback(settings.host) and not settings.auth_enabled:
-        print(f"WARNING: GENQ_HOST={settings.host} opens the API to the network, and it has no API keys: "
-              "anyone who reaches the port can submit and read jobs.", file=sys.stderr, flush=True)
+        say(f"{'' if _log else 'WARNING: '}GENQ_HOST={settings.host} opens the API to the network, and it has "
+            "no API keys: anyone who reaches the port can submit and read jobs.", err=True, level=logging.WARNING)
 
     workers: list[Restarting] = []
     api: Proc | None = None
@@ -390,13 +409,13 @@ def main() -> int:
     try:
         url = os.environ.get("REDIS_URL")
         if redis_answers(url):
-            print(f"using Redis at {url}")
+            say(f"using Redis at {url}")
         else:
             data_dir = ROOT / settings.data_dir / "redis"  # an absolute data_dir stays as it is
             private = PrivateRedis(data_dir)
             url = private.url
-            print(f"started a private redis-server at {url}, its data in {data_dir}"
-                  + (f" ({os.environ['REDIS_URL']} did not answer)" if os.environ.get("REDIS_URL") else ""))
+            say(f"started a private redis-server at {url}, its data in {data_dir}"
+                + (f" ({os.environ['REDIS_URL']} did not answer)" if os.environ.get("REDIS_URL") else ""))
         env["REDIS_URL"] = url
         cfg = {**os.environ, **env}
         engines = [e.strip() for e in cfg.get("GENQ_ENGINES", cfg.get("GENQ_ENGINE", "hf")).split(",") if e.strip()]
@@ -404,18 +423,18 @@ def main() -> int:
         for engine, name in engine_names(model, engines).items():
             worker_env = {**env, "GENQ_ENGINE": engine, "GENQ_MODEL_NAME": name}
             workers.append(Restarting(f"{engine} worker", worker_argv(engine), worker_env))
-            print(f"{engine} worker serves {name!r}")
+            say(f"{engine} worker serves {name!r}")
         api = Proc("api", api_argv(), {**env, "GENQ_MODEL_NAME": model})
         base = f"http://{settings.host}:{settings.port}"
-        print(f"\nAPI      {base}\nready    {base}/readyz\nexample  curl -s {base}/basic_generate "
-              "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello, my name is\"}'\n", flush=True)
+        say(f"\nAPI      {base}\nready    {base}/readyz\nexample  curl -s {base}/basic_generate "
+            "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello, my name is\"}'\n")
         while not stopping:
             if os.getppid() != parent:  # where PR_SET_PDEATHSIG is not (or came too late)
-                print("the process that started this one exited; stopping", file=sys.stderr, flush=True)
+                say("the process that started this one exited; stopping", err=True, level=logging.WARNING)
                 break
             for p in (api, private.proc if private else None):
                 if p is not None and not p.alive():
-                    print(f"{p.name} exited with {p.popen.returncode}; stopping the rest", file=sys.stderr)
+                    say(f"{p.name} exited with {p.popen.returncode}; stopping the rest", err=True, level=logging.ERROR)
                     return 1
             for w in workers:
                 w.poll()
@@ -428,7 +447,7 @@ def main() -> int:
             w.stop()
         if private:
             private.stop()
-        print("stopped", flush=True)
+        say("stopped")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Logging for the API and the workers alike: plain text by default, one JSON object per line
 with `GENQ_LOG_FORMAT=json` (what a log shipper parses without regexes).
 
-One configuration (`config`) serves both: webapp/gunicorn_conf.py applies it in gunicorn's
-arbiter (and sends gunicorn's own lines through it), a worker in worker/__main__.py.
+One configuration (`configure`) serves every process: webapp/gunicorn_conf.py applies it in
+gunicorn's arbiter (and sends gunicorn's own lines through it), a worker in worker/__main__.py,
+`make run`'s launcher in scripts/stack.py. Python's warnings go through it too, so that with
+JSON every line is JSON from the first one.
 
 `job_event` writes the log's record of a job: one line per step of its life (queued in the API,
 running and finished in a worker) with its id, model, owner, queue time, tokens and finish
@@ -45,6 +47,44 @@ def config(fmt: str = "text", level: str = "INFO") -> dict:
         "handlers": {"genq": {"class": "logging.StreamHandler", "formatter": "genq", "stream": "ext://sys.stderr"}},
         "root": {"level": level.upper(), "handlers": ["genq"]},
     }
+
+
+def configure(fmt: str = "text", level: str = "INFO") -> None:
+    """Apply `config` to this process, with Python's warnings as log records (`py.warnings`)."""
+    import logging.config
+
+    logging.config.dictConfig(config(fmt, level))
+    logging.captureWarnings(True)
+
+
+def libraries_as_json(level: str = "INFO", transformers: bool = True) -> None:
+    """A worker's libraries that write lines of their own, through our handler instead (call
+    before they load a model): vLLM, in this process and the engine processes it spawns (by its
+    VLLM_LOGGING_CONFIG_PATH), Celery's notices on stdout, and transformers (its own stderr
+    handler; imported here when `transformers`)."""
+    import os
+    import tempfile
+
+    vllm = {**config("json", level), "loggers": {"vllm": {"handlers": ["genq"], "level": level.upper(),
+                                                          "propagate": False}}}
+    del vllm["root"]
+    path = os.path.join(tempfile.gettempdir(), f"genq-vllm-logging-{level.upper()}.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump(vllm, fh)
+    os.replace(path + ".tmp", path)
+    os.environ.setdefault("VLLM_LOGGING_CONFIG_PATH", path)
+    # Celery writes its shutdown notices ("worker: Warm shutdown") straight to stdout.
+    from celery.apps import worker as celery_worker
+
+    celery_worker.safe_say = lambda msg, f=None: logging.getLogger("celery.apps.worker").info(str(msg).strip())
+    if not transformers:
+        return
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
 
 
 def _text(value) -> str:

@@ -4,21 +4,24 @@ gevent workers: a blocking call or an open stream spends its life waiting on Red
 costs a greenlet rather than a thread, and a process holds thousands of them.
 """
 
+import os
+
 from gevent import monkey
 
+from tasks import logs  # the standard library only: nothing here needs patching
+
+# Warnings as log lines from the first one (patching warns that gunicorn imported ssl first).
+logs.configure(os.environ.get("GENQ_LOG_FORMAT", "text"), os.environ.get("GENQ_LOG_LEVEL", "INFO"))
 # Patch before anything imports ssl, sockets or threads (gunicorn would patch later, too late).
 monkey.patch_all()
 
 import glob  # noqa: E402
 import json  # noqa: E402
-import logging.config  # noqa: E402
-import os  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 from gunicorn import glogging, util  # noqa: E402
 
-from tasks import logs  # noqa: E402
 from tasks.config import get_settings  # noqa: E402
 
 _s = get_settings()
@@ -37,7 +40,7 @@ loglevel = "info"
 control_socket_disable = True
 # The app's lines and gunicorn's own through one handler, as text or JSON (GENQ_LOG_FORMAT).
 # Not gunicorn's `logconfig_dict`: that turns its access log on, a line per request.
-logging.config.dictConfig(logs.config(_s.log_format, os.environ.get("GENQ_LOG_LEVEL", "INFO")))
+logs.configure(_s.log_format, os.environ.get("GENQ_LOG_LEVEL", "INFO"))
 
 
 class _Logger(glogging.Logger):
