@@ -119,6 +119,21 @@ def _stream(client: Client, job_id: str, max_wait: float | None) -> int:
     return OK
 
 
+def cmd_chat(client: Client, args: argparse.Namespace) -> int:
+    message = sys.stdin.read() if args.message == "-" else args.message
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": message}
+    ]
+    params: dict[str, Any] = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                              "seed": args.seed, **(args.param or {})}
+    answer = client.chat_completion(messages, args.max_wait, **params)
+    if args.json:
+        _print_json(answer)
+    else:
+        print(answer["choices"][0]["message"]["content"])
+    return OK
+
+
 def cmd_get(client: Client, args: argparse.Namespace) -> int:
     if args.wait:
         try:
@@ -264,6 +279,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-wait", type=float, metavar="S", help="with --wait/--stream: give up after S seconds (exit 3)")
     p.add_argument("--json", action="store_true", help="print the job as JSON instead of the id or the text")
     p.set_defaults(run=cmd_submit)
+
+    p = sub.add_parser(
+        "chat", parents=[common], epilog=EPILOG, formatter_class=fmt,
+        help="send a message to the model's chat template; print the reply",
+        description=_wrap("Send one user message (after --system, if given) to POST /v1/chat/completions, "
+                          "wait, and print the assistant's reply (or with --json the whole answer)."),
+    )
+    p.add_argument("message", help='the user\'s message ("-": read it from stdin)')
+    p.add_argument("--system", metavar="TEXT", help="a system message before it")
+    p.add_argument("--model", help="a served model (default: the API's)")
+    p.add_argument("--max-tokens", type=int, metavar="N")
+    p.add_argument("--temperature", type=float, metavar="T", help="OpenAI's default is 1; 0 is greedy")
+    p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--param", type=_key_value, action=_Params, metavar="NAME=VALUE",
+        help="any other field of the request (VALUE as JSON, else a string), e.g. --param top_p=0.9",
+    )
+    p.add_argument("--max-wait", type=float, metavar="S", help="give up after S seconds")
+    p.add_argument("--json", action="store_true", help="print the whole answer as JSON")
+    p.set_defaults(run=cmd_chat)
 
     p = sub.add_parser(
         "get", parents=[common], epilog=EPILOG, formatter_class=fmt, help="print a job (JSON)",

@@ -154,6 +154,21 @@ class Client:
             raise
         return result_text(job)
 
+    def chat(self, messages: str | list[dict], timeout: float | None = None, **params: Any) -> str:
+        """The assistant's reply to a conversation (POST /v1/chat/completions, blocking):
+        `messages` as OpenAI's (`[{"role": "user", "content": "..."}]`), or a str (one user
+        message). `params`: the request's other fields (`model`, `max_tokens`, `temperature`,
+        ...); None values are left out. `timeout`: seconds for the answer (default: no limit)."""
+        return self.chat_completion(messages, timeout, **params)["choices"][0]["message"]["content"]
+
+    def chat_completion(self, messages: str | list[dict], timeout: float | None = None, **params: Any) -> dict:
+        """The whole answer of POST /v1/chat/completions (see `chat`)."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        body = {"messages": messages, **{k: v for k, v in params.items() if v is not None}}
+        limit = httpx.Timeout(self.timeout, read=timeout)
+        return self._json("POST", "/v1/chat/completions", json=body, timeout=limit)
+
     def stream(self, job_id: str, last_event_id: str | int | None = None) -> "TokenStream":
         """The job's tokens as they are generated (GET /v1/jobs/{id}/stream, SSE): an iterator
         of `str`, which reconnects by itself with `Last-Event-ID` after a dropped connection
@@ -271,7 +286,7 @@ class Client:
         poll_interval: float = 1.0,
         timeout: float | None = None,
         metadata: dict | None = None,
-        endpoint: str = "/v1/completions",
+        endpoint: str | None = None,
         completion_window: str = "24h",
         cancel_on_interrupt: bool = True,
     ) -> list[dict]:
@@ -280,7 +295,9 @@ class Client:
         `path_or_rows`: a JSONL file of OpenAI batch lines (`{custom_id, method, url, body}`,
         uploaded as it is), or rows: each a batch line (a dict with `body`; `custom_id`,
         `method` and `url` filled in when missing), a completions body (a dict with `prompt`)
-        or a prompt (a str); `model` goes into the bodies of rows that name none.
+        or a prompt (a str); `model` goes into the bodies of rows that name none. `endpoint`:
+        the batch's (`/v1/completions` or `/v1/chat/completions`; default: the `url` of a
+        file's lines, else /v1/completions).
 
         Uploads the file, creates the batch, polls `GET /v1/batches/{id}` every
         `poll_interval` s with a tqdm progress bar (on stderr) driven by `request_counts`, then
@@ -291,9 +308,10 @@ class Client:
         expired or was cancelled; `WaitTimeout` after `timeout` s (the batch goes on). Ctrl-C
         cancels the batch unless `cancel_on_interrupt=False`."""
         if isinstance(path_or_rows, (str, os.PathLike)):
-            order = _custom_ids_of(path_or_rows)
+            order, endpoint = _custom_ids_of(path_or_rows), endpoint or _endpoint_of(path_or_rows)
             file = self.upload_file(path_or_rows)
         else:
+            endpoint = endpoint or "/v1/completions"
             data, order = _batch_file(path_or_rows, model, endpoint)
             file = self.upload_file(data)
         batch = self.create_batch(file["id"], endpoint, completion_window, metadata)
@@ -545,6 +563,19 @@ def _custom_ids_of(path: str | os.PathLike) -> dict[str, int]:
             if isinstance(cid, str):
                 order.setdefault(cid, i)
     return order
+
+
+def _endpoint_of(path: str | os.PathLike) -> str:
+    """The `url` of a JSONL batch file's first line that has one (/v1/completions if none)."""
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                url = json.loads(line).get("url")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(url, str):
+                return url
+    return "/v1/completions"
 
 
 def _batch_problem(batch: dict) -> str:

@@ -58,6 +58,8 @@ from tasks.config import Settings, get_settings, queue_for
 from tasks.schemas import PRIORITY_MAX, PRIORITY_MIN, JobSpec
 
 GENERATE_TASK = "genq.generate"
+# /tokenize and /detokenize, answered by a worker of the model (worker/tasks.py).
+TOKENIZE_TASK = "genq.tokenize"
 
 
 def _reuse_kombu_clients() -> None:

@@ -58,6 +58,10 @@ class Settings(BaseSettings):
         "5+0.5", pattern=r"^\s*\d+(\.\d*)?\s*(\+\s*\d+(\.\d*)?\s*)?$",
         description="the sim engine's decode step: 'a+b' sleeps a + b x batch ms (worker/engines/sim.py)",
     )
+    chat_template: str | None = Field(
+        None, description="a chat template (Jinja) file: the template of a model that has none, in place "
+        "of the model's own where it has one (as vLLM's --chat-template); rendered by the worker",
+    )
     default_max_new_tokens: int = Field(32, ge=1)
     max_new_tokens_limit: int = Field(1024, ge=1)
     max_prompt_chars: int = Field(32_768, ge=1)

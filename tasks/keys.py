@@ -17,6 +17,11 @@ def stream(job_id: str) -> str:
     return f"{PREFIX}:stream:{job_id}"
 
 
+# A worker's answer to a /tokenize or /detokenize request (a list the API pops).
+def reply(request_id: str) -> str:
+    return f"{PREFIX}:reply:{request_id}"
+
+
 WORKERS = f"{PREFIX}:workers"
 WORKERS_SEEN = f"{PREFIX}:workers:seen"
 # The last Redis outage a worker's heartbeat lived through (tasks/registry.py): start, end.

@@ -34,6 +34,7 @@ class WorkerInfo(BaseModel):
     pid: int
     started: float
     max_model_len: int | None = None
+    chat_template: bool = Field(False, description="it has a chat template (/v1/chat/completions)")
     device: str = Field("cpu", description="where its engine runs the model: cpu, cuda:N")
     metrics_port: int | None = Field(None, description="its Prometheus exporter's port (worker/metrics.py)")
     draining: bool = Field(False, description="shutting down: finishes its jobs, takes no new calls")

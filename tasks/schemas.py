@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -184,12 +184,39 @@ class GenerateRequest(SamplingParams, Scheduling):
         return v
 
 
+class ChatMessage(BaseModel):
+    """One message of a conversation, its content as text (the API joins text parts)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class ChatOptions(BaseModel):
+    """A chat job's conversation and chat-template options: the worker renders them into the
+    job's prompt with the model's chat template (worker/chat.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+# What a chat request to a model without a chat template is told (API and worker alike).
+NO_CHAT_TEMPLATE = "this model has no chat template; start its worker with GENQ_CHAT_TEMPLATE=<file>"
+
+
 class JobSpec(BaseModel):
     """What a worker receives: one prompt, resolved model name, complete parameters."""
 
     id: str
     model: str
     prompt: str
+    chat: ChatOptions | None = Field(None, description="a chat job: the worker renders its prompt from these")
     params: SamplingParams
     stream: bool = Field(True, description="publish token events (False: nobody can follow them)")
     priority: int = 0

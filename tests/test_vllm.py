@@ -135,3 +135,27 @@ def test_vllm_engine_settings_reach_the_engine(vllm_stack):
     assert cards[vllm_stack.name]["max_model_len"] == VLLM_MAX_MODEL_LEN
     resp = vllm_stack.post("/generate_vllm", json={"prompts": ["word " * (VLLM_MAX_MODEL_LEN - 8)], "max_new_tokens": 16})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long", resp.text
+
+
+def test_chat_on_vllm_is_the_rendered_template_without_a_second_bos(vllm_stack, tiny_model):
+    """The vLLM worker renders the template (GENQ_CHAT_TEMPLATE) and feeds vLLM its token ids as
+    they are: the reply equals a completion of the same tokens (the rendered text after its BOS
+    text, which the completion's tokenizer adds back), and /tokenize says those tokens."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    template = (Path(__file__).parent / "chat_template.jinja").read_text()
+    messages = [{"role": "user", "content": "Name a colour."}]
+    rendered = tok.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    ids = tok(rendered, add_special_tokens=False).input_ids
+    assert rendered.startswith(tok.bos_token) and ids == tok(rendered[len(tok.bos_token):]).input_ids
+    kw = {"model": vllm_stack.name, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    chat = vllm_stack.post("/v1/chat/completions", json={"messages": messages, **kw})
+    assert chat.status_code == 200, chat.text
+    plain = vllm_stack.post("/v1/completions", json={"prompt": rendered[len(tok.bos_token):], **kw}).json()
+    assert chat.json()["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+    assert chat.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] == len(ids)
+    tokens = vllm_stack.post("/tokenize", json={"messages": messages})
+    assert tokens.status_code == 200 and tokens.json()["tokens"] == ids

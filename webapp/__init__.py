@@ -10,7 +10,7 @@ from redis.retry import Retry
 from tasks.celery_app import BLOCKING_SOCKET_TIMEOUT_S, SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
 from tasks.config import Settings, get_settings
 from webapp import auth, batches, completions, errors, ids, metrics, openapi
-from webapp.routes import health, jobs, openai, teaching
+from webapp.routes import health, jobs, openai, teaching, tokens
 from webapp.service import EXTENSION, JobService
 
 
@@ -48,7 +48,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     auth.init_app(app, settings)
     ids.init_app(app)  # after auth: its 401 comes first
     openapi.init_app(app)
-    for bp in (health.bp, jobs.bp, teaching.bp, openai.bp):
+    for bp in (health.bp, jobs.bp, teaching.bp, openai.bp, tokens.bp):
         app.register_blueprint(bp)
     batches.init_app(app, settings)
     return app

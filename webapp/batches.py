@@ -66,6 +66,7 @@ from tasks.config import Settings
 from tasks.schemas import PRIORITY_MAX, JobStatus, Scheduling
 from webapp import ids, protocol
 from webapp.auth import ApiKey
+from webapp import chat
 from webapp.completions import CompletionService, Submitted
 from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status, owned
 
@@ -80,7 +81,7 @@ LOCK_S = 5
 MAX_ERRORS = 100
 # Batch lines wait behind every interactive job (0 by default): vLLM's order, lower first.
 BATCH_PRIORITY = PRIORITY_MAX
-ENDPOINTS = ("/v1/completions",)
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -240,7 +241,7 @@ class BatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     input_file_id: str = Field(min_length=1)
-    endpoint: Literal["/v1/completions"]
+    endpoint: Literal["/v1/completions", "/v1/chat/completions"]
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = Field(None, max_length=16)
 
@@ -735,7 +736,8 @@ class BatchDriver:
             )  # fmt: skip
             return "error", _output(custom_id, 400, None, body), []
         try:
-            jobs = protocol.CompletionRequest.model_validate(line.get("body")).to_jobs()
+            model = chat.ChatCompletionRequest if rec["endpoint"] == "/v1/chat/completions" else protocol.CompletionRequest
+            jobs = model.model_validate(line.get("body")).to_jobs()
             if jobs.stream:
                 raise APIError(400, "invalid_request", "stream: a batch line cannot be streamed", param="stream")
             jobs.sched = Scheduling(priority=BATCH_PRIORITY)

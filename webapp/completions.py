@@ -1,7 +1,7 @@
-"""One completion request, whatever door it came in by (`/v1/completions`, the teaching
-endpoints, a batch line, `/v1/jobs`): the request model turns itself into `Jobs` (its
-`to_jobs()`, as vLLM's `to_sampling_params`), `CompletionService.submit` puts them on the
-queue, and the answer is assembled from their results as a body (`body`) or a stream
+"""One completion request, whatever door it came in by (`/v1/completions`,
+`/v1/chat/completions`, the teaching endpoints, a batch line, `/v1/jobs`): the request model
+turns itself into `Jobs` (its `to_jobs()`, as vLLM's `to_sampling_params`),
+`CompletionService.submit` puts them on the queue, and the answer is assembled from their results as a body (`body`) or a stream
 (`stream`), in the shape of the API the request came from (`Submitted.api`).
 
 `submit` is the only place that validates a request's jobs against this deployment's limits,
@@ -18,13 +18,13 @@ from typing import Any, Iterator, Literal
 from flask import Response, current_app, request
 from pydantic import BaseModel
 
-from tasks.schemas import SamplingParams, Scheduling, split_request
-from webapp import protocol, sse
+from tasks.schemas import NO_CHAT_TEMPLATE, ChatOptions, SamplingParams, Scheduling, split_request
+from webapp import chat, protocol, sse
 from webapp.auth import ApiKey
-from webapp.errors import error_body, job_error_status
+from webapp.errors import APIError, error_body, job_error_status
 from webapp.service import JobService
 
-Api = Literal["completions", "teaching", "jobs"]
+Api = Literal["completions", "chat", "teaching", "jobs"]
 
 
 @dataclass
@@ -44,6 +44,14 @@ class Jobs:
     stream: bool = False
     echo: bool = False
     include_usage: bool = False
+    chat: ChatOptions | None = None  # a conversation (the worker renders its prompt)
+
+    @property
+    def texts(self) -> list[str]:
+        """What the deployment's limits on prompts apply to: the prompts, or the messages."""
+        if self.chat is None:
+            return self.prompts
+        return ["\n".join(m.content for m in self.chat.messages)]
 
     @classmethod
     def of(cls, req: BaseModel, prompts: list[str], exclude: set[str], **kw: Any) -> "Jobs":
@@ -65,7 +73,7 @@ class Submitted:
 
     @property
     def response_id(self) -> str:
-        return f"cmpl-{self.ids[0]}"
+        return f"{'chatcmpl' if self.jobs.api == 'chat' else 'cmpl'}-{self.ids[0]}"
 
     def entry(self) -> dict[str, Any]:
         """What a batch line keeps of it (JSON) to write its output line later (`from_entry`)."""
@@ -74,14 +82,16 @@ class Submitted:
             entry["n"] = self.jobs.n
         if self.jobs.echo:
             entry.update(echo=True, prompts=self.jobs.prompts)
+        if self.jobs.api == "chat":
+            entry.update(api="chat", logprobs=self.jobs.params.logprobs)
         return entry
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> "Submitted":
         jobs = Jobs(
-            prompts=entry.get("prompts") or [], params=SamplingParams(), n=entry.get("n", 1),
-            echo=bool(entry.get("echo")),
-        )  # fmt: skip
+            prompts=entry.get("prompts") or [], params=SamplingParams(logprobs=entry.get("logprobs")),
+            n=entry.get("n", 1), echo=bool(entry.get("echo")), api=entry.get("api", "completions"),
+        )
         return cls(jobs, entry["ids"], entry["model"], int(entry["created"]))
 
 
@@ -105,7 +115,7 @@ class CompletionService:
         caller answers once they end (a blocking call or a stream), so it fails at once with
         503 when no live worker serves the model instead of hanging."""
         s = self.jobs
-        every = [p for p in req.prompts for _ in range(req.n)]
+        every = [p for p in req.texts for _ in range(req.n)]
         s.validate(every, req.params)
         model = s.model_for_engine(req.engine) if req.engine else s.resolve_model(req.model)
         created = int(time.time())
@@ -113,9 +123,20 @@ class CompletionService:
             return Submitted(req, [], model, created)
         if wait:
             s.require_worker(model)
+        if req.chat is not None:
+            self.require_chat_template(model)
         params = s.key_limits(every, req.params, owner)
-        ids = s.enqueue(req.prompts, params, model, stream=req.stream, sched=req.sched, owner=owner, n=req.n)
+        ids = s.enqueue(
+            req.prompts, params, model, stream=req.stream, sched=req.sched, owner=owner, n=req.n, chat=req.chat
+        )
         return Submitted(req, ids, model, created)
+
+    def require_chat_template(self, model: str) -> None:
+        """400 at once when the model's live workers have no chat template (with no live
+        worker, a queued chat job fails with the same error on a worker without one)."""
+        workers = self.jobs.workers_for(model)
+        if workers and not any(w.chat_template for w in workers):
+            raise APIError(400, "no_chat_template", NO_CHAT_TEMPLATE, param="messages")
 
     def results(self, sub: Submitted, environ: dict | None = None) -> list[dict[str, Any]]:
         """The jobs' results in order (raises the APIError of the first that failed)."""
@@ -123,6 +144,8 @@ class CompletionService:
 
     def body(self, sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
         """The whole answer of a request whose jobs have all succeeded."""
+        if sub.jobs.api == "chat":
+            return chat_body(sub, results)
         return completion_body(sub, results)
 
     def answer(self, req: Jobs, owner: ApiKey | None) -> dict[str, Any] | Response:
@@ -135,7 +158,8 @@ class CompletionService:
 
     def stream(self, sub: Submitted) -> Response:
         """The answer as server-sent events, in the API's chunks, while the jobs run."""
-        return completion_stream(sub, self.jobs.events(sub.ids, cancel_on_exit=True))
+        relay = _ChatRelay(sub) if sub.jobs.api == "chat" else _CompletionRelay(sub)
+        return relay.response(self.jobs.events(sub.ids, cancel_on_exit=True))
 
 
 # -- /v1/completions ------------------------------------------------------------------------
@@ -209,5 +233,41 @@ class _CompletionRelay(_Relay):
         return [self.chunk(k, jobs.prompts[k // jobs.n]) for k in range(len(self.sub.ids))] if jobs.echo else []
 
 
-def completion_stream(sub: Submitted, events) -> Response:
-    return _CompletionRelay(sub).response(events)
+# -- /v1/chat/completions -------------------------------------------------------------------
+
+
+def chat_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
+    top = sub.jobs.params.logprobs
+    choices = [
+        chat.ChatChoice(
+            index=k, message=chat.AssistantMessage(content=r["text"]), finish_reason=chat.finish(r["finish_reason"]),
+            logprobs=chat.logprobs_of(r.get("logprobs"), top or 0) if top is not None else None,
+        )
+        for k, r in enumerate(results)
+    ]
+    total = protocol.usage(sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results))
+    body = chat.ChatCompletionResponse(id=sub.response_id, created=sub.created, model=sub.model, choices=choices,
+                                       usage=total)
+    return body.model_dump(mode="json")
+
+
+class _ChatRelay(_Relay):
+    def _event(self, choices: list[chat.ChatStreamChoice], usage: protocol.Usage | None = None) -> str:
+        sub = self.sub
+        chunk = chat.ChatCompletionChunk(id=sub.response_id, created=sub.created, model=sub.model, choices=choices,
+                                         usage=usage)
+        return sse.event(chunk.model_dump(mode="json", exclude=None if usage else {"usage"}))
+
+    def chunk(self, i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> str:
+        top = self.sub.jobs.params.logprobs
+        lp = chat.logprobs_of(logprobs, top) if top is not None and logprobs else None
+        delta = chat.Delta(content=text) if text or not finish else chat.Delta()
+        return self._event([chat.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=chat.finish(finish))])
+
+    def usage_chunk(self) -> str:
+        return self._event([], protocol.usage(*self.counts))
+
+    def head(self) -> list[str]:
+        # Every choice opens with the assistant's role, as vLLM's and OpenAI's streams do.
+        role = chat.Delta(role="assistant", content="")
+        return [self._event([chat.ChatStreamChoice(index=k, delta=role)]) for k in range(len(self.sub.ids))]

@@ -52,6 +52,7 @@ BROKER_UNAVAILABLE = {
 JOB_ERROR_STATUS = {
     "prompt_too_long": 400,
     "invalid_request": 400,
+    "no_chat_template": 400,
     "cancelled": 409,
     "timeout": 504,
     "expired": 504,

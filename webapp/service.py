@@ -24,7 +24,7 @@ from tasks.celery_app import job_message, publish_job
 from tasks.config import Settings, queue_for
 from tasks.jobs import RESULT_RAW, JobStore, QuotaExceeded, decode_record
 from tasks.registry import Registry, WorkerInfo
-from tasks.schemas import JobSpec, JobStatus, SamplingParams, Scheduling
+from tasks.schemas import ChatOptions, JobSpec, JobStatus, SamplingParams, Scheduling
 from tasks.streams import StreamEnd, TokenEvent, follow
 from webapp.auth import ApiKey
 from webapp.errors import BROKER_ERRORS, BROKER_RETRY_AFTER, BROKER_UNAVAILABLE, APIError, job_error_status, owned
@@ -217,6 +217,7 @@ class JobService:
         sched: Scheduling | None = None,
         owner: ApiKey | None = None,
         n: int = 1,
+        chat: ChatOptions | None = None,
     ) -> list[str]:
         """Record and enqueue one job per prompt, for a request that has been validated and
         whose model is resolved (webapp.completions.CompletionService.submit does both); returns
@@ -224,13 +225,14 @@ class JobService:
         for jobs whose ids never reach a client: nobody could follow their token streams.
         `sched`: the jobs' priority and deadline. `owner`: the request's API key (None: the API
         is open); the jobs carry its name and count against its quota. `n`: jobs per prompt
-        (OpenAI's `n`), in a row, the j-th with `params.for_choice(j)` (its own seed)."""
+        (OpenAI's `n`), in a row, the j-th with `params.for_choice(j)` (its own seed). `chat`: the
+        conversation of chat jobs, which their worker renders into their prompts."""
         prompts = [p for p in prompts for _ in range(n)]
         queue = queue_for(model)
         sched = sched or Scheduling()
         deadline = sched.deadline_from(time.time())
         specs = [
-            JobSpec(id=str(uuid.uuid4()), model=model, prompt=p, params=params.for_choice(k % n), stream=stream,
+            JobSpec(id=str(uuid.uuid4()), model=model, prompt=p, chat=chat, params=params.for_choice(k % n), stream=stream,
                     priority=sched.priority, deadline=deadline, owner=owner.name if owner else None)
             for k, p in enumerate(prompts)
         ]

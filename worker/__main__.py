@@ -28,6 +28,7 @@ from tasks.jobs import JobStore
 from tasks.registry import Registry, WorkerInfo
 from worker.recovery import Reaper, guard_restores
 from worker import metrics, tasks
+from worker.chat import Chat
 from worker.engines import create_engine
 from worker.publisher import StreamPublisher
 
@@ -138,6 +139,7 @@ def main() -> None:
     tasks.runtime.store = store
     tasks.runtime.worker_name = name
     tasks.runtime.publisher = publisher
+    tasks.runtime.chat = Chat(getattr(engine, "tok", None), settings.chat_template, engine.max_model_len)
     app = make_celery(settings)
     tasks.register(app)
 
@@ -151,6 +153,7 @@ def main() -> None:
         pid=os.getpid(),
         started=time.time(),
         max_model_len=engine.max_model_len,
+        chat_template=tasks.runtime.chat.available,
         device=engine.device,
         metrics_port=metrics_port,
     )

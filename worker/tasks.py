@@ -12,6 +12,7 @@ jobs are held to their deadline by the engine.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,10 +22,12 @@ from celery import Celery
 from celery.exceptions import Ignore
 from celery.signals import task_postrun, task_revoked
 
-from tasks.celery_app import GENERATE_TASK
+from tasks import keys
+from tasks.celery_app import GENERATE_TASK, TOKENIZE_TASK
 from tasks.jobs import ACTIVE, JobStore
 from tasks.schemas import JobSpec, JobStatus
 from worker.engines import Engine, GenerationError
+from worker.chat import Chat
 from worker.engines.base import JobCancelled
 from worker import metrics
 from worker.publisher import StreamPublisher
@@ -33,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # How often a waiting task thread looks for a cancellation of its job.
 CANCEL_POLL_S = 0.5
+# How long an answer to /tokenize waits for the API to pop it.
+REPLY_TTL_S = 60
 
 
 class Runtime:
@@ -42,6 +47,7 @@ class Runtime:
     store: JobStore
     worker_name: str
     publisher: StreamPublisher | None = None
+    chat: Chat | None = None
 
     def __init__(self) -> None:
         # The jobs this process is running (or about to start): job id -> delivery tag.
@@ -78,6 +84,8 @@ def register(app: Celery) -> None:
         if publisher is not None and spec.stream:
             publisher.attempts[spec.id] = attempt.number
         try:
+            if runtime.chat is not None:
+                spec = runtime.chat.prompt_of(spec)  # a chat job's prompt: its messages rendered
             future = runtime.engine.submit(spec)
             while True:
                 try:
@@ -101,6 +109,17 @@ def register(app: Celery) -> None:
                 publisher.attempts.pop(spec.id, None)
         result.worker = runtime.worker_name
         return result.model_dump()
+
+    @app.task(name=TOKENIZE_TASK, ignore_result=True)
+    def tokenize(req: dict) -> None:
+        """/tokenize or /detokenize: the answer goes onto the request's reply list, which the
+        API pops (webapp/tokens.py)."""
+        chat = runtime.chat or Chat(None)
+        answer = chat.answer(req)
+        pipe = runtime.store.r.pipeline()
+        pipe.rpush(keys.reply(req["id"]), json.dumps(answer))
+        pipe.expire(keys.reply(req["id"]), REPLY_TTL_S)
+        pipe.execute()
 
     # A successful result and the job's succeeded status go to Redis in one call
     # (tasks/backend.py); task_postrun then has nothing left to write for it.

@@ -1,11 +1,11 @@
-"""OpenAI-compatible endpoints: `POST /v1/completions` (plain and streamed) and
-`GET /v1/models`. Every prompt of a request is its own job, like everywhere else."""
+"""OpenAI-compatible endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (plain
+and streamed) and `GET /v1/models`. Every prompt of a request is its own job, like everywhere else."""
 
 from __future__ import annotations
 
 from flask import Blueprint
 
-from webapp import auth, protocol
+from webapp import auth, chat, protocol
 from webapp.completions import current_completions
 from webapp.errors import APIError, error_response
 from webapp.openapi import BLOCKING_ERRORS, SSE, doc
@@ -41,4 +41,14 @@ def models():
 def completions():
     """OpenAI's completions: every prompt its own job."""
     req = parse(protocol.CompletionRequest)
+    return current_completions().answer(req.to_jobs(), auth.current_owner())
+
+
+@bp.post("/chat/completions")
+@doc(body=chat.ChatCompletionRequest, response=chat.ChatCompletionResponse,
+     stream=SSE("with `stream`: OpenAI's chat completion chunks (each choice opens with its role), then `[DONE]`"),
+     errors=BLOCKING_ERRORS)
+def chat_completions():
+    """OpenAI's chat completions: the model's chat template over the messages, every choice its own job."""
+    req = parse(chat.ChatCompletionRequest)
     return current_completions().answer(req.to_jobs(), auth.current_owner())

@@ -169,7 +169,7 @@ class HFEngine(Engine):
     def submit(self, spec: JobSpec) -> Future[GenerationResult]:
         if self._closed.is_set():
             raise GenerationError("engine_closed", "the engine is shutting down")
-        ids = self.tok(spec.prompt).input_ids
+        ids = self.tok(spec.prompt, add_special_tokens=spec.chat is None).input_ids  # chat: in the template
         max_new = spec.params.max_new_tokens or self.default_max_new
         if self.max_model_len and len(ids) + max_new > self.max_model_len:
             raise GenerationError(

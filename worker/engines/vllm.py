@@ -81,7 +81,9 @@ class VLLMEngine(Engine):
         self.max_model_len = self.llm.model_config.max_model_len
 
     def submit(self, spec: JobSpec) -> Future[GenerationResult]:
-        n_prompt = len(self.tok(spec.prompt).input_ids)
+        # A chat prompt (rendered by worker/chat.py) holds its special tokens already.
+        ids = self.tok(spec.prompt, add_special_tokens=spec.chat is None).input_ids
+        n_prompt = len(ids)
         max_new = spec.params.max_new_tokens or self.default_max_new
         if n_prompt + max_new > self.max_model_len:
             raise GenerationError(
@@ -90,7 +92,8 @@ class VLLMEngine(Engine):
                 f"the model's context of {self.max_model_len} tokens",
             )
         future: Future[GenerationResult] = Future()
-        asyncio.run_coroutine_threadsafe(self._generate(spec, max_new, future), self.loop)
+        prompt = {"prompt": spec.prompt} if spec.chat is None else {"prompt_token_ids": ids}
+        asyncio.run_coroutine_threadsafe(self._generate(spec, prompt, max_new, future), self.loop)
         return future
 
     def cancel(self, job_id: str) -> None:
@@ -105,7 +108,7 @@ class VLLMEngine(Engine):
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
 
-    async def _generate(self, spec: JobSpec, max_new: int, future: Future) -> None:
+    async def _generate(self, spec: JobSpec, prompt: dict, max_new: int, future: Future) -> None:
         p = spec.params
         params = self._SamplingParams(
             max_tokens=max_new,
@@ -130,7 +133,7 @@ class VLLMEngine(Engine):
         left, why = self.time_limit(spec)
         try:
             async with asyncio.timeout(left):
-                async for out in self.llm.generate({"prompt": spec.prompt}, params, spec.id):
+                async for out in self.llm.generate(prompt, params, spec.id):
                     peak = max(peak, self._active)
                     prompt_tokens = len(out.prompt_token_ids or []) or prompt_tokens
                     completion = out.outputs[0]
