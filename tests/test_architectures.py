@@ -81,7 +81,7 @@ def test_staggered_jobs_and_preemption_match_generate_alone(name, device, packed
         for i, prompt in enumerate(PROMPTS[:4]):
             jobs.append((prompt, 30, engine.submit(spec(i, prompt, 30, priority=1))))
         deadline = time.monotonic() + 60
-        while len(engine._seqs) < 4 and time.monotonic() < deadline:  # all four decoding
+        while len(engine.scheduler.rows) < 4 and time.monotonic() < deadline:  # all four decoding
             time.sleep(0.002)
         for i, prompt in enumerate(PROMPTS[4:], start=4):
             jobs.append((prompt, 6 + 3 * i, engine.submit(spec(i, prompt, 6 + 3 * i))))

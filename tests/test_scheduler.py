@@ -1,0 +1,114 @@
+"""The hf engine's scheduler alone: no model, no torch (the engine tests run it with both)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tasks.schemas import JobSpec, SamplingParams
+from worker.engines.scheduler import Scheduler, Seq
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def seq(name: str, background: bool = False, tokens: int = 1, deadline: float = 1e9) -> Seq:
+    spec = JobSpec(id=name, model="m", prompt="p", priority=1 if background else 0, params=SamplingParams())
+    return Seq(spec, list(range(tokens)), 8, deadline, "late", background=background)
+
+
+def run(s: Scheduler, *seqs: Seq):
+    """Submit, take, and join what was admitted (as the engine does after its prefill)."""
+    for x in seqs:
+        s.submit(x)
+    plan = s.take(timeout=0)
+    if plan.preempt:
+        s.reorder([i for i in range(len(s.rows)) if i not in plan.preempt])
+    s.joined(plan.admit)
+    s.partition()
+    return plan
+
+
+def names(seqs) -> list[str]:
+    return [x.spec.id for x in seqs]
+
+
+def test_the_scheduler_imports_no_torch():
+    code = "import sys, worker.engines.scheduler; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_admits_foreground_first_while_rows_are_free_and_the_rest_wait():
+    s = Scheduler(capacity=2)
+    plan = run(s, seq("bg", background=True), seq("a"), seq("b"))
+    assert names(plan.admit) == ["a", "b"] and names(s.waiting) == ["bg"]
+    assert s.take(timeout=0).admit == []  # no free row
+    s.reorder([1])  # "a" finished
+    assert names(s.take(timeout=0).admit) == ["bg"]
+
+
+def test_a_foreground_job_preempts_the_cheapest_background_row():
+    s = Scheduler(capacity=3)
+    run(s, seq("long", True, tokens=50), seq("short", True, tokens=3), seq("mid", True, tokens=10))
+    plan = run(s, seq("fg"))
+    assert [names(s.rows)[i] for i in range(len(s.rows))][0] == "fg"  # foreground first
+    assert plan.preempt == [1] and names(plan.admit) == ["fg"] and names(s.waiting) == ["short"]
+    assert s.preemptions == 1
+    # The preempted row comes back before other background jobs once a row frees.
+    s.submit(seq("later", True))
+    s.reorder([0, 1])
+    assert names(s.take(timeout=0).admit) == ["short"]
+
+
+def test_no_preemption_of_foreground_rows():
+    s = Scheduler(capacity=1)
+    run(s, seq("a"))
+    plan = run(s, seq("b"))
+    assert plan.preempt == [] and plan.admit == [] and names(s.waiting) == ["b"]
+
+
+def test_reap_cancelled_and_late_jobs_running_waiting_or_new():
+    clock = Clock()
+    s = Scheduler(capacity=2, clock=clock)
+    run(s, seq("run", deadline=5), seq("gone"), seq("wait", deadline=5))
+    s.cancel("gone")
+    new = [seq("new", deadline=5)]
+    clock.now = 6
+    gone, keep = s.reap(new)
+    assert sorted((x.spec.id, why) for x, why in gone) == [
+        ("gone", "cancelled"), ("new", "timeout"), ("run", "timeout"), ("wait", "timeout")]
+    assert keep == [] and new == [] and s.waiting == []
+    s.reorder(keep)  # as the engine does once the KV cache has dropped them
+    assert s.reap([]) == ([], None)  # nothing more: every row stays
+
+
+def test_partition_swaps_late_foreground_rows_with_early_background_ones():
+    s = Scheduler(capacity=4)
+    s.joined([seq("b1", True), seq("f1"), seq("b2", True), seq("f2")])
+    late, early = s.partition()
+    assert (late, early) == ([3], [0])
+    assert names(s.rows) == ["f2", "f1", "b2", "b1"] and s.fg == 2
+    assert s.partition() == ([], [])
+
+
+def test_background_rows_step_once_in_background_every_while_foreground_runs():
+    s = Scheduler(capacity=4, background_every=3)
+    run(s, seq("b", True), seq("f"))
+    steps = [s.decode_rows() for _ in range(6)]
+    assert steps == [1, 1, 2, 1, 1, 2]
+    assert s.rows[0].batch_peak == 2 and s.rows[1].batch_peak == 2
+    s.reorder([1])  # the foreground job finished: the background one steps every time
+    s.partition()
+    assert [s.decode_rows() for _ in range(3)] == [1, 1, 1]
+
+
+def test_drain_returns_every_job_held():
+    s = Scheduler(capacity=1)
+    run(s, seq("a"), seq("b"))
+    s.submit(seq("c"))
+    assert sorted(names(s.drain())) == ["a", "b", "c"] and s.rows == []

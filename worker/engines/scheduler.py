@@ -1,0 +1,211 @@
+"""The hf engine's scheduler: which jobs run, which wait, which leave, and which rows step.
+
+Plain Python (no torch, no model), tested alone (tests/test_scheduler.py). It keeps the jobs
+in the order of the batch's rows (`rows`, as the KV cache holds them: worker/engines/
+kvcache.py), foreground jobs first, and decides between two decode steps:
+
+- admission: every arrived job while rows are free, foreground ones first;
+- preemption: a foreground job that finds the batch full takes a background row's place at
+  once (the background job with the fewest tokens goes back to waiting, keeping its tokens,
+  and is prefilled again when a row frees: preemption by recompute, as vLLM's), so an
+  interactive request never waits for a batch line to finish;
+- reaping: cancelled jobs and jobs past their deadline leave, running or waiting;
+- the background's cadence: while foreground rows run, background rows step only one decode
+  step in `background_every` (a batch of 32 steps ~3x slower than a batch of 1 on a CPU).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tasks.schemas import JobSpec, Logprobs
+
+
+@dataclass(eq=False)
+class Seq:
+    """One job in the engine, from submission to its result."""
+
+    spec: JobSpec
+    prompt_ids: list[int]
+    max_new: int
+    deadline: float  # the scheduler's clock: the job's own deadline or the worker's ceiling
+    timeout_message: str
+    future: Future = field(default_factory=Future)
+    generator: Any = None  # the row's own torch.Generator (sampled jobs)
+    out: list[int] = field(default_factory=list)
+    batch_peak: int = 0
+    # Output processing (worker/engines/output.py): `text` is the completion so far; tokens
+    # from `prefix_off` on are decoded again each step (a token can complete a character its
+    # predecessor began); `sent` characters and `events` token events are streamed.
+    text: str = ""
+    prefix_off: int = 0
+    read_off: int = 0
+    sent: int = 0
+    events: int = 0
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the job, as EOS does
+    # With the `logprobs` parameter: every token's so far (`lp`), those not yet streamed
+    # (`lp_unsent`), and the characters the tokens so far take (`lp_offset`).
+    lp: Logprobs | None = None
+    lp_unsent: Logprobs | None = None
+    lp_offset: int = 0
+    background: bool = False  # priority > 0 (batch lines): sits steps out, can be preempted
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens a prefill of this job feeds: its prompt and what it generated already."""
+        return self.prompt_ids + self.out
+
+    @property
+    def holdback(self) -> int:
+        """Characters kept back from the stream: they may turn out to begin a stop string."""
+        stops = self.spec.params.stop
+        return max(map(len, stops)) - 1 if stops else 0
+
+
+@dataclass
+class Admission:
+    """What `Scheduler.take` decided: rows to take out first (preempted, ascending), then jobs
+    to prefill and join."""
+
+    preempt: list[int] = field(default_factory=list)
+    admit: list[Seq] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, capacity: int, background_every: int = 4, clock: Callable[[], float] = time.monotonic):
+        self.capacity = capacity
+        self.background_every = background_every
+        self.clock = clock
+        self.rows: list[Seq] = []  # the running batch, in the KV cache's row order
+        self.fg = 0  # foreground rows: the first `fg`
+        self.waiting: list[Seq] = []  # taken from the inbox, no row yet (preempted ones first)
+        self.preemptions = 0
+        self.steps = 0
+        self._inbox: queue.SimpleQueue[Seq | None] = queue.SimpleQueue()
+        self._cancel_lock = threading.Lock()
+        self._cancelled: set[str] = set()
+
+    # -- any thread ----------------------------------------------------------------------
+
+    def submit(self, seq: Seq) -> None:
+        self._inbox.put(seq)
+
+    def cancel(self, job_id: str) -> None:
+        with self._cancel_lock:
+            self._cancelled.add(job_id)
+
+    def wake(self) -> None:
+        """Make a blocked `take` return (the engine is closing)."""
+        self._inbox.put(None)
+
+    # -- the engine's thread ---------------------------------------------------------------
+
+    def take(self, timeout: float = 0.5) -> Admission:
+        """Jobs to admit now, foreground ones first, as many as there are free rows; foreground
+        jobs that find no free row take background rows' places. The rest wait for the next
+        step. Blocks (up to `timeout`) only while nothing runs or waits."""
+        pending, self.waiting = self.waiting, []
+        if not self.rows and not pending:
+            try:
+                item = self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                return Admission()
+            if item is None:
+                return Admission()
+            pending.append(item)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                break
+            pending.append(item)
+        plan = Admission()
+        room = self.capacity - len(self.rows)
+        short = sum(not s.background for s in pending) - room
+        if short > 0 and self.fg < len(self.rows):
+            plan.preempt = self._victims(short)
+            pending[:0] = [self.rows[i] for i in plan.preempt]
+            self.preemptions += len(plan.preempt)
+            room += len(plan.preempt)
+        for seq in sorted(pending, key=lambda s: s.background):
+            if room > 0:
+                plan.admit.append(seq)
+                room -= 1
+            else:
+                self.waiting.append(seq)
+        return plan
+
+    def _victims(self, n: int) -> list[int]:
+        """Up to `n` background rows, those cheapest to take up again (fewest tokens)."""
+        rows = range(self.fg, len(self.rows))
+        cost = lambda i: len(self.rows[i].prompt_ids) + len(self.rows[i].out)  # noqa: E731
+        return sorted(sorted(rows, key=cost)[:n])
+
+    def reap(self, new: list[Seq]) -> tuple[list[tuple[Seq, str]], list[int] | None]:
+        """Cancelled jobs and jobs past their deadline, running, waiting or just admitted
+        (`new` loses them): (each with "cancelled" or "timeout", the rows to keep, or None
+        when every row stays)."""
+        with self._cancel_lock:
+            cancelled, self._cancelled = self._cancelled, set()
+        now = self.clock()
+        gone: list[tuple[Seq, str]] = []
+
+        def leaves(seq: Seq) -> bool:
+            why = "cancelled" if seq.spec.id in cancelled else "timeout" if now > seq.deadline else None
+            if why:
+                gone.append((seq, why))
+            return why is not None
+
+        new[:] = [s for s in new if not leaves(s)]
+        self.waiting = [s for s in self.waiting if not leaves(s)]
+        keep = [i for i, s in enumerate(self.rows) if not leaves(s)]
+        return gone, keep if len(keep) < len(self.rows) else None
+
+    def joined(self, seqs: list[Seq]) -> None:
+        """The admitted jobs' rows now follow the running ones."""
+        self.rows.extend(seqs)
+
+    def reorder(self, order: list[int]) -> None:
+        """Row i is now old row order[i] (the KV cache moved rows: `SlotKV.select`)."""
+        self.rows = [self.rows[i] for i in order]
+
+    def partition(self) -> tuple[list[int], list[int]]:
+        """Put the foreground rows first: the pairs of rows (late foreground, early background)
+        to swap, already swapped here; the KV cache must swap the same."""
+        fg = [i for i, s in enumerate(self.rows) if not s.background]
+        self.fg = len(fg)
+        late = [i for i in fg if i >= self.fg]
+        early = [i for i in range(self.fg) if self.rows[i].background]
+        for a, b in zip(late, early):
+            self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
+        return late, early
+
+    def decode_rows(self) -> int:
+        """How many rows (the first ones) this decode step feeds: every row, or only the
+        foreground ones while they run beside background ones, but on one step in
+        `background_every`."""
+        self.steps += 1
+        rows = len(self.rows)
+        if 0 < self.fg < rows and self.steps % self.background_every:
+            rows = self.fg
+        for seq in self.rows[:rows]:
+            seq.batch_peak = max(seq.batch_peak, rows)
+        return rows
+
+    def drain(self) -> list[Seq]:
+        """Every job still held, running, waiting or in the inbox (the engine is closing)."""
+        held, self.rows, self.waiting = self.rows + self.waiting, [], []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return held
+            if item is not None:
+                held.append(item)
