@@ -51,7 +51,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 __all__ = [
     "ARCHS",
@@ -146,8 +146,8 @@ _INIT = 0.1
 _IDS = {"pad_token_id": PAD_TOKEN_ID, "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID}
 
 
-def _rotary(config_class: str, model_class: str, kv_heads: int | None = None, **extra: Any):
-    """Config kwargs of a Llama-like decoder (rotary positions, RMS norm, gated MLP)."""
+def _rotary(config_class: str, model_class: str, kv_heads: Callable[[int], int] | None = None, **extra: Any):
+    """Config kwargs of a decoder with rotary positions (Llama and its kin, GPT-NeoX)."""
 
     def make(size: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
         heads = size["num_attention_heads"]
@@ -157,7 +157,7 @@ def _rotary(config_class: str, model_class: str, kv_heads: int | None = None, **
             "intermediate_size": size["ffn_dim"],
             "num_hidden_layers": size["num_hidden_layers"],
             "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads(heads) if callable(kv_heads) else heads,
+            **({"num_key_value_heads": kv_heads(heads)} if kv_heads else {}),
             "max_position_embeddings": size["max_position_embeddings"],
             "initializer_range": _INIT,
             "tie_word_embeddings": False,
@@ -181,22 +181,6 @@ def _gpt2(size: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
     }
 
 
-def _gpt_neox(size: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
-    return "GPTNeoXConfig", "GPTNeoXForCausalLM", {
-        "vocab_size": size["vocab_size"],
-        "hidden_size": size["hidden_size"],
-        "intermediate_size": size["ffn_dim"],
-        "num_hidden_layers": size["num_hidden_layers"],
-        "num_attention_heads": size["num_attention_heads"],
-        "max_position_embeddings": size["max_position_embeddings"],
-        "rotary_pct": 0.25,  # Pythia's partial rotary
-        "use_parallel_residual": True,
-        "initializer_range": _INIT,
-        "tie_word_embeddings": False,
-        **_IDS,
-    }
-
-
 def _half(heads: int) -> int:
     return max(1, heads // 2)
 
@@ -212,7 +196,8 @@ ARCHS: dict[str, Any] = {
     "mistral": _rotary("MistralConfig", "MistralForCausalLM", kv_heads=_half,
                        sliding_window=lambda size: size["max_position_embeddings"] // 2),
     "phi3": _rotary("Phi3Config", "Phi3ForCausalLM"),
-    "gpt_neox": _gpt_neox,
+    "gpt_neox": _rotary("GPTNeoXConfig", "GPTNeoXForCausalLM", rotary_pct=0.25,  # Pythia's partial rotary
+                        use_parallel_residual=True),
     "gemma": _rotary("GemmaConfig", "GemmaForCausalLM", kv_heads=lambda heads: 1,
                      head_dim=lambda size: size["hidden_size"] // size["num_attention_heads"]),
 }
