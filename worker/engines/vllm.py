@@ -79,6 +79,7 @@ class VLLMEngine(Engine):
 
         self.llm = asyncio.run_coroutine_threadsafe(_start(), self.loop).result()
         self.max_model_len = self.llm.model_config.max_model_len
+        self.device = "cuda" if _has_gpu() else "cpu"  # vLLM's own placement (its workers' GPUs)
 
     def submit(self, spec: JobSpec) -> Future[GenerationResult]:
         # A chat prompt (rendered by worker/chat.py) holds its special tokens already.
