@@ -27,7 +27,9 @@ from worker.publisher import StreamPublisher
 # The default heartbeat (the other test stacks beat faster, to be quick).
 DEFAULT_BEAT = {"GENQ_HEARTBEAT_INTERVAL": "2", "GENQ_HEARTBEAT_TTL": "10"}
 RECOVERY_LIMIT_S = 60
-TOKENS = 64
+# Long enough that a worker is still running jobs when the signal comes (the tiny model
+# generates 64 tokens in about 0.2 s a job here: the whole batch could end before the signal).
+TOKENS = 256
 
 
 def _prompts(n: int) -> list[str]:

@@ -123,3 +123,50 @@ def test_a_closed_broker_channel_still_acknowledges_its_messages(tmp_path):
     finally:
         r.close()
         db.stop()
+
+
+@pytest.mark.timeout(300)
+def test_the_worker_survives_redis_restarts_and_stalls_under_load(make_stack, tmp_path):
+    """Redis killed and started again, and frozen, in turn, while a worker runs jobs: the same
+    worker process serves throughout (its consumer reconnects instead of exiting), and every
+    job succeeds, a new one after the faults too."""
+    db = KillableRedis(tmp_path)
+    s = make_stack(REDIS_URL=db.url, GENQ_MAX_BATCH_SIZE="4", **BEAT)
+    try:
+        s.start_api()
+        worker = s.start_worker()
+        s.wait_ready()
+        (name,) = [w["name"] for w in s.get("/readyz").json()["workers"]]
+        assert f"-{worker.pid}@" in name
+        ids = [submit(s, prompt=f"Restart {i}: the quick brown fox", max_new_tokens=240, ignore_eos=True)
+               for i in range(12)]  # fmt: skip
+        for _ in range(2):
+            db.kill()
+            time.sleep(1.5)
+            db.start()
+            time.sleep(2.0)
+            with Frozen(db):
+                time.sleep(3.0)
+            time.sleep(2.0)
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            recs = [s.get(f"/v1/jobs/{j}").json() for j in ids]
+            if all(r["status"] not in ("queued", "running") for r in recs):
+                break
+            time.sleep(1.0)
+        assert [r["status"] for r in recs] == ["succeeded"] * len(ids), [(r["status"], r.get("error")) for r in recs]
+        assert worker.alive, worker.tail()
+        assert {r["worker"] for r in recs} == {name}  # the one process, never another
+        # Its consumer serves new jobs, and it is still the one worker that announces itself.
+        resp = s.post("/basic_generate", json={"prompt": "after the faults", "max_new_tokens": 4}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert [w["name"] for w in s.get("/readyz").json()["workers"]] == [name]
+        log = (s.logs / f"{s.name}-worker0.log").read_text()
+        assert "Unrecoverable error" not in log
+    finally:
+        try:
+            db.proc.signal(signal.SIGCONT)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        s.stop()
+        db.stop()
