@@ -154,7 +154,8 @@ def test_every_architecture_through_the_queue(make_stack, checkpoints):
     s.start_api()
     for i, name in enumerate(ARCHS):
         s.start_worker(GENQ_MODEL=str(checkpoints[name]), GENQ_MODEL_NAME=f"{s.name}-{name}",
-                       GENQ_PACKED_LINEARS=str(i % 2 == 0).lower(), GENQ_MAX_BATCH_SIZE="8")
+                       GENQ_PACKED_LINEARS=str(i % 2 == 0).lower(), GENQ_MAX_BATCH_SIZE="8",
+                       GENQ_TORCH_THREADS="1")  # seven workers on a few cores
     models = {f"{s.name}-{name}" for name in ARCHS}
     stackmod.wait_until(lambda: models <= {m["id"] for m in s.get("/v1/models").json().get("data", [])},
                         180, "a worker of every architecture", s.procs)
