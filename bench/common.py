@@ -334,6 +334,7 @@ class Stack:
             **env,
         }
         self.workers: list = []
+        self.started = 0  # workers started so far (each gets a log of its own)
         self.api = None
         self.port = 0
 
@@ -348,7 +349,7 @@ class Stack:
     def start_worker(self, **env: str):
         from scripts import stack
 
-        n = len(self.workers)
+        n, self.started = self.started, self.started + 1
         w = self.procs.start(f"{self.label}-worker{n or ''}", stack.worker_argv(self.engine), {**self.env, **env})
         self.workers.append(w)
         return w
@@ -361,7 +362,8 @@ class Stack:
         self.api = self.procs.start(f"{self.label}-api{api_workers}", stack.api_argv(), env)
         stack.wait_until(lambda: stack.http_get(self.base + "/healthz")[0] == 200, 60, "the API",
                          [self.api, *self.workers])
-        self.wait_ready(ready_workers, what)
+        if ready_workers:
+            self.wait_ready(ready_workers, what)
 
     def wait_ready(self, n: int = 1, what: str = "a ready worker", timeout: float = 600) -> None:
         """Until the API's /readyz counts at least `n` live workers."""
@@ -386,10 +388,13 @@ class Stack:
 
 def job_stats(r, model: str, t0: float, t1: float) -> dict:
     """Queue wait, run time and batch size of this model's jobs that finished in [t0, t1]."""
-    ids = [k.split(":", 2)[2] for k in r.scan_iter("genq:job:*", count=1000)]
+    from tasks import keys
+
+    prefix = keys.job("")
+    ids = [k[len(prefix):] for k in r.scan_iter(keys.job("*"), count=1000)]
     pipe = r.pipeline(transaction=False)
     for i in ids:
-        pipe.hmget(f"genq:job:{i}", "model", "status", "created", "started", "finished")
+        pipe.hmget(keys.job(i), "model", "status", "created", "started", "finished")
     picked = []
     for i, (m, status, created, started, finished) in zip(ids, pipe.execute()):
         if m == model and status == "succeeded" and started and finished and t0 <= float(finished) <= t1:
@@ -439,16 +444,6 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
-def cpu_model() -> str:
-    """The CPU model and its features that decide the fastest kernels and dtype here."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "?")
-    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
-    native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
-    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{model} ({simd}, {', '.join(native) or 'no native bf16'})"
-
-
 def machine_facts() -> dict:
     import psutil
 
@@ -471,12 +466,28 @@ def machine_facts() -> dict:
     }
 
 
+def git_state() -> dict:
+    """The commit measured and the code files that differ from it (the working tree is what runs)."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = [ln[3:] for ln in git("status", "--porcelain", "--", "worker", "tasks", "webapp", "scripts",
+                                   "bench").splitlines() if len(ln) > 3 and not ln.startswith("??")]
+    return {"commit": git("rev-parse", "--short", "HEAD").strip() or "?", "modified": dirty}
+
+
 def run_lines(res: dict) -> list[str]:
-    """The first lines of a page's "Run" section: command, date, machine."""
-    m = res["machine"]
+    """The first lines of a page's "Run" section: command, date, code, machine."""
+    m, g = res["machine"], res.get("git") or {"commit": "?", "modified": []}
     return [
         f"- Command: `{res['command']}`",
-        f"- Date: {res['date']} (took {res['elapsed_s'] / 60:.1f} min)",
+        f"- Date: {res['date']} (took {res['elapsed_s'] / 60:.1f} min); commit {g['commit']}"
+        + (f", with uncommitted changes to {', '.join(g['modified'])}" if g["modified"] else ""),
         f"- Machine: {m['nproc']} CPUs (nproc), {m['cpu_model']}, {m['ram_gib']:.1f} GiB RAM, Linux {m['kernel']}; "
         f"load average at start {', '.join(f'{x:.2f}' for x in m['loadavg_start'])}, at end "
         f"{', '.join(f'{x:.2f}' for x in res['loadavg_end'])}",
@@ -499,10 +510,17 @@ def write_doc(path: Path, intro: str, marker: str, generated: str) -> None:
 # -- main scaffolding -------------------------------------------------------------------------
 
 
-def model_dirs() -> dict[str, Path]:
+MODELS = ("opt-125m", "tiny")
+ARCHS = ("opt", "llama")
+
+
+def checkpoint_dir(model: str, arch: str = "opt") -> Path:
+    """Where the dev checkpoint of this size and architecture (worker/devmodels.py) lives."""
     from scripts import stack
 
-    return {"opt-125m": ROOT / ".models" / "opt-125m", "tiny": stack.TINY_MODEL_DIR}
+    if arch == "opt":
+        return stack.TINY_MODEL_DIR if model == "tiny" else ROOT / ".models" / model
+    return ROOT / ".models" / (f"tiny-{arch}" if model == "tiny" else f"{arch}-{model.split('-')[-1]}-random")
 
 
 def parser(prog: str, doc: str, *, levels: str | None = None, out: str | None = None,
@@ -510,8 +528,10 @@ def parser(prog: str, doc: str, *, levels: str | None = None, out: str | None = 
     """The options every benchmark of the model path shares."""
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     if model:
-        ap.add_argument("--model", choices=sorted(model_dirs()), default="opt-125m",
-                        help="dev checkpoint to build (worker/devmodels.py) and serve (default opt-125m)")
+        ap.add_argument("--model", choices=MODELS, default="opt-125m",
+                        help="size of the dev checkpoint to build (worker/devmodels.py) and serve (default opt-125m)")
+        ap.add_argument("--arch", choices=ARCHS, default="opt",
+                        help="its architecture (default opt; llama: a Llama-shaped checkpoint of that size)")
     if levels is not None:
         ap.add_argument("--levels", default=levels, help=f"concurrent clients (default {levels})")
         ap.add_argument("--duration", type=float, default=20.0, help="seconds per level (default 20)")
@@ -570,18 +590,20 @@ def run_bench(prog: str, args, raw_argv: list[str] | None, measure: Callable[[Pr
     outdir = ROOT / "bench" / "out" / f"{out_prefix}{time.strftime('%Y%m%d-%H%M%S')}"
     outdir.mkdir(parents=True, exist_ok=True)
     res: dict = {
-        "command": " ".join([f"python -m {prog}", *map(shlex.quote, raw_argv)]),
+        "command": " ".join([f"python -m {prog}", *map(shlex.quote, raw_argv)]).replace(str(ROOT) + "/", ""),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_facts(),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "git": git_state(),
         **extra,
     }
     if getattr(args, "model", None):
         from worker import devmodels
 
-        log(f"checkpoint {args.model}: building if needed")
-        model_dir = devmodels.ensure(args.model, model_dirs()[args.model])
-        res.update(model=args.model, model_dir_abs=str(model_dir), model_dir=os.path.relpath(model_dir, ROOT),
+        arch = getattr(args, "arch", "opt")
+        log(f"checkpoint {args.model} ({arch}): building if needed")
+        model_dir = devmodels.ensure(args.model, checkpoint_dir(args.model, arch), arch=arch)
+        res.update(model=args.model, arch=arch, model_dir_abs=str(model_dir), model_dir=os.path.relpath(model_dir, ROOT),
                    params_m=json.loads((model_dir / devmodels.MARKER_NAME).read_text()).get("parameters", 0) / 1e6)
     procs = Processes(outdir, log)
     interrupted = False
@@ -607,7 +629,7 @@ def publish(res: dict | None, args, render: Callable[[dict], str], intro: str, m
     below the hand-written part of --out."""
     if res is None:
         return 130
-    report = render(res)
+    report = render(res).replace(str(ROOT) + "/", "")  # no machine's paths in the page
     print(intro + "\n" + report, flush=True)
     if not args.no_write:
         write_doc(args.out, intro, marker, report)

@@ -1,22 +1,15 @@
 """The closed-loop HTTP driver of every benchmark: N client threads, each with one keep-alive
-`http.client` connection, each sending its next request as soon as the previous one has
-answered (at most one request in flight per client, no think time). What one request is comes
-from a per-request hook: `post_request` (a POST whose whole answer is read; the default) or
-`sse_request` (a streamed request whose token events are timed as their bytes arrive).
+`http.client` connection (a fraction of `requests`' CPU per request), each sending its next
+request as soon as the previous one has answered. A per-request hook says what a request is:
+`post_request` (a POST, its whole answer read) or `sse_request` (a stream, its token events
+timed as their bytes arrive). `python -m bench.load` runs the loop in a process of its own, so
+several sidestep one interpreter's GIL (`spawn_load`).
 
-`http.client` rather than `requests`: it costs the client a fraction of the CPU per request, which
-matters on a 2-core machine where the client competes with the server it measures. For rates of
-hundreds of requests per second, `python -m bench.load` runs the same loop in a process of its
-own, so several of them sidestep one interpreter's GIL (bench.run spawns them for the echo phase).
-
-Measurement window: each client's first `warmup` requests do not count. The window opens when
-every client has finished its warm-up (or at `start_at`, a wall-clock time shared by several
-processes), and closes once `duration` seconds have passed *and* every client has completed at
-least `min_per_client` requests inside it. Requests completed inside the window count; requests
-still in flight when it closes are finished but not counted, so every counted request ran at the
-full concurrency. Rate: each client's counted requests over the time they spanned (start of its
-first to end of its last), summed over clients; a count inside a fixed window would jump by a
-whole batch when all clients finish together.
+Window: each client's first `warmup` requests do not count; it opens when every client has
+warmed up (or at a time shared by several processes) and closes once `duration` s have passed
+*and* every client has completed `min_per_client` requests in it. Rate: each client's counted
+requests over the time they spanned, summed over clients (a count inside a fixed window would
+jump by a whole batch when all clients finish together).
 """
 
 from __future__ import annotations
@@ -57,6 +50,12 @@ def completion_bodies(model: str | None, max_tokens: int = MAX_NEW_TOKENS, strea
     extra = {"stream": True} if stream else {}
     return [json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
                         "ignore_eos": True, **extra}).encode() for p in PROMPTS]
+
+
+def chat_bodies(model: str | None, max_tokens: int = MAX_NEW_TOKENS) -> list[bytes]:
+    """Bodies for POST /v1/chat/completions: one user message per prompt, greedy, EOS ignored."""
+    return [json.dumps({"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
+                        "temperature": 0, "ignore_eos": True}).encode() for p in PROMPTS]
 
 
 class Req:

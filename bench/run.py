@@ -1,19 +1,15 @@
-"""`python -m bench.run` (`make bench`): measure genqueue end to end against its own ceilings,
-side by side in one run, and write docs/benchmarks.md.
+"""`python -m bench.run` (`make bench`): genqueue end to end against its own ceilings, in one
+run, written to docs/benchmarks.md. Phases, each with the machine to itself as far as it goes:
 
-Phases, in this order (each gets the machine to itself, as far as a shared machine allows):
+1. in process (bench/inproc.py, a subprocess before any server): padded `model.generate` and
+   our HFEngine at batch sizes equal to the client levels;
+2. the API path: Redis, one hf worker (GENQ_MAX_BATCH_SIZE=64), the API under gunicorn;
+   closed-loop clients on POST /basic_generate per level; queue wait, run time and batch
+   size from the job records;
+3. the echo engine through the API (no model), load from several processes, 1 and 2 API
+   workers; 4. the API's resident memory after 2 and after each echo run.
 
-2+3. in-process (bench/inproc.py, a subprocess started before any server): padded
-     `model.generate` and our HFEngine at batch sizes equal to the client levels;
-1.   the API path: private Redis, one hf worker (GENQ_MAX_BATCH_SIZE=64), the API under
-     gunicorn (GENQ_API_WORKERS=1); closed-loop clients on POST /basic_generate at each level;
-     job records and results in Redis give queue wait, run time and batch size per level;
-4.   the echo engine through the API (no model): jobs/s with many clients, the load coming
-     from several client processes; GENQ_API_WORKERS=1 and 2;
-5.   the API's resident memory after phase 1 and after each echo run.
-
-Everything started here is stopped again (process groups, via scripts.stack.Proc), also on
-Ctrl-C, SIGTERM or an error. Logs and raw JSON go to bench/out/<timestamp>/ (git-ignored).
+Logs and results.json: bench/out/<timestamp>/ (git-ignored).
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ from pathlib import Path
 import psutil
 import redis
 
-from bench.common import (MAX_NEW_TOKENS, ROOT, CpuMeter, Processes, RedisTarget, Stack, fmt as _f, int_list,
-                          job_stats, log, noise as _noise, parser, per_request_ms, publish,
+from bench.common import (ROOT, CpuMeter, Processes, RedisTarget, Stack, fmt as _f, int_list,
+                          job_stats, log, noise as _noise, parser, publish,
                           quietest, run_bench, run_lines, table, tree)
 from bench.load import measure_levels, spawn_load
 
@@ -44,51 +40,8 @@ TARGET_API_RSS_MB = 100.0
 INTRO = """\
 # Benchmarks
 
-`make bench` (= `python -m bench.run`) measures, in one run on one machine, the serving path
-against the two ceilings it cannot beat, and rewrites everything below the marker line. The
-hand-written part above it is kept.
-
-**Method.** Every request asks for exactly 32 new tokens of greedy decoding with EOS ignored
-(`"max_new_tokens": 32, "ignore_eos": true`), on varied 8-12 token prompts, so output tokens/s
-is 32 x requests/s everywhere.
-
-1. *API path*: closed-loop clients (one keep-alive `http.client` connection per client thread,
-   no think time) on `POST /basic_generate` through gunicorn, Redis, Celery and one hf worker
-   (`GENQ_MAX_BATCH_SIZE=64`), at each concurrency level. Each client's first request is a
-   warm-up; the window lasts `--duration` seconds and at least 3 requests per client; requests
-   completed inside it count. Requests/s is the sum over clients of each client's requests
-   divided by the time they spanned (start of its first to end of its last): all clients of a
-   level tend to finish together, one batch at a time, so a plain count inside a fixed window
-   would jump by a whole batch (e.g. 4 or 5 batches of 32 in 20 s). Queue wait, run time and
-   batch size come from the job records and results the stack itself keeps in Redis; CPU per
-   process from psutil.
-2. *In-process `model.generate`*: the same checkpoint loaded with `AutoModelForCausalLM`,
-   the batch left-padded into one call (`do_sample=False, max_new_tokens=32,
-   min_new_tokens=32`). This is the ceiling of a transformers-based engine on this machine.
-3. *In-process HFEngine*: our continuous-batching engine without queue or HTTP (and without
-   the token stream to Redis); `b` jobs submitted at once, timed until the last one resolves.
-   Comparing 1 with 3 isolates the cost of the queue and the API; 3 with 2 the engine's own.
-   Phases 2 and 3 run in one subprocess before any server starts: one warm-up each per batch
-   size, then timed runs of the two in turn; the median of 3 is reported.
-4. *Echo through the API*: a worker with `GENQ_ENGINE=echo` (answers at once), so the rate is
-   that of HTTP + Flask + Redis + Celery alone. The load comes from several client
-   *processes* (`python -m bench.load`, a few `http.client` threads each) so the client's GIL
-   is not the limit; its CPU use is reported because it shares the cores with the server.
-   `GENQ_API_WORKERS=1` and `2` are both measured.
-5. *API memory*: resident set size of the gunicorn master and each worker (psutil), with USS
-   (memory only that process holds) and PSS.
-
-**Noise.** The machine is shared. The "other load" columns give the CPU (in cores) that
-processes outside the benchmark used during each measurement. A measurement during which they
-used more than `--max-other-load` cores (0.3) is repeated (levels: up to 2 more times, keeping
-the quietest; in-process: up to 2 x 3 runs, the disturbed ones left out of the median), and
-every measurement first waits (up to `--quiet-wait`, 90 s) for such load to stop. This
-matters more than one would think: torch runs one thread per core, and a step of a batch
-waits for its slowest thread, so one busy process elsewhere can slow decoding several-fold.
-
-The checkpoints are random-weight OPT models built offline by `worker/devmodels.py` with
-facebook/opt-125m's exact shape, so compute per token matches the real model; the text is
-gibberish. Quick run: `python -m bench.run --model tiny --levels 1,2 --duration 2 --no-write`.
+`make bench` (`python -m bench.run`, bench/run.py) measures the serving path against the two
+ceilings it cannot beat and rewrites everything below the marker line with the latest run.
 """
 
 
@@ -189,15 +142,6 @@ def echo_once(procs, st, redis_pid, api_workers, args, outdir) -> dict:
 # -- report -----------------------------------------------------------------------------------
 
 
-def _runs(r: dict) -> str:
-    limit = r.get("max_other")
-    parts = []
-    for t, o in zip(r["runs_s"], r.get("runs_other", [0.0] * len(r["runs_s"]))):
-        quiet = limit is None or o <= limit or r.get("quiet_runs", 1) == 0
-        parts.append(f"{t:.2f}" if quiet else f"~~{t:.2f}~~")
-    return ", ".join(parts)
-
-
 def targets(res: dict) -> list[tuple[str, str]]:
     """(PASS|FAIL|N/A, sentence) per target of the issue."""
     api = {r["clients"]: r for r in res["api"]["levels"]}
@@ -237,114 +181,50 @@ def targets(res: dict) -> list[tuple[str, str]]:
 
 
 def render(res: dict) -> str:
-    m, inproc, api, echo = res["machine"], res["inproc"], res["api"], res["echo"]
+    m, inproc, api, echo, a = res["machine"], res["inproc"], res["api"], res["echo"], res["args"]
     gen = {r["batch"]: r for r in inproc["generate"]}
     eng = {r["batch"]: r for r in inproc["engine"]}
-    lv_rows = api["levels"]
-    L = [MARKER, "", "## Run", "", *run_lines(res)]
-    L.append(f"- Software: Python {m['python']}, torch {inproc['torch']} ({inproc['torch_threads']} intra-op threads, "
-             f"the default), transformers {inproc['transformers']}, Redis {res['redis_version']} ({res['redis_kind']})")
-    L.append(f"- Checkpoint: `{res['model_dir']}` (`--model {res['model']}`: random-weight OPT from "
-             f"worker/devmodels.py, {res['params_m']:.1f}M parameters, float32); prompts "
-             f"{_f(gen[min(gen)]['prompt_tokens_mean'] if gen else None, 1)} tokens on average")
-    wt = res["args"].get("worker_threads")
-    L.append(f"- Stack: one hf worker with GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}"
-             + (f" and OMP_NUM_THREADS={wt}" if wt else " (torch threads: the default)")
-             + f"; API under gunicorn ({res['api_server']}), GENQ_API_WORKERS={api['api_workers']} for the hf levels")
-    a = res["args"]
-    L.append(f"- Window per level: >= {a['duration']:g} s and >= {a['min_requests']} requests per client; "
-             f"in-process: median of {a['reps']} runs after one warm-up; echo: {a['echo_duration']:g} s. "
-             f"Each measurement waits (up to {a['quiet_wait']:g} s) for other processes to use at most "
-             f"{a['max_other_load']:g} cores; one they disturbed anyway is repeated (up to {a['retries']} times "
-             f"for levels and echo, 2 x reps runs in-process) and the quietest kept")
-    L += ["", "## Targets", ""]
-    L += [f"- **{v}** {s}" for v, s in targets(res)]
-
+    L = [MARKER, "", "## Latest run", "", *run_lines(res)]
+    L.append(f"- Software: Python {m['python']}, torch {inproc['torch']} ({inproc['torch_threads']} threads), "
+             f"transformers {inproc['transformers']}, Redis {res['redis_version']} ({res['redis_kind']})")
+    L.append(f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
+             f"parameters, float32); one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}, API under gunicorn "
+             f"({res['api_server']}); >= {a['duration']:g} s and >= {a['min_requests']} requests per client per "
+             f"level; in-process: median of {a['reps']} runs; echo: {a['echo_duration']:g} s")
+    L += ["", "## Targets", ""] + [f"- **{v}** {s}" for v, s in targets(res)]
     L += ["", "## 1. API path: `POST /basic_generate` through the queue to the hf worker", ""]
     L.append(table(
-        ["clients", "requests", "req/s", "tokens/s", "p50 s", "p90 s", "p99 s", "mean batch", "errors", "other load"],
-        [[r["clients"], r["requests"] if not r["capped"] else f"{r['requests']}*", _f(r["rate"]),
-          _f(r["rate"] * MAX_NEW_TOKENS, 1), _f(r["p50"], 3), _f(r["p90"], 3), _f(r["p99"], 3),
-          _f(r["jobs"]["batch_size_mean"], 1), r["errors"], _noise(r)] for r in lv_rows]))
-    L.append("")
-    L.append("*mean batch*: mean over the level's jobs of the largest batch each was decoded in "
-             "(`batch_size` of the job's result). *other load*: CPU cores used by processes outside "
-             "the benchmark during the window (`(n tries)`: measured n times because of it; `!`: "
-             "still above the limit). A `*` marks a window cut short before every client "
-             "finished its minimum number of requests.")
-    L += ["", "### Where the time goes", ""]
-    L.append(table(
-        ["clients", "e2e mean s", "queue wait s", "in worker s", "API + HTTP s", "API cores", "worker cores",
-         "Redis cores", "client cores", "worker CPU ms/job", "API CPU ms/job"],
-        [[r["clients"], _f(r["mean"], 3), _f(r["jobs"]["queued_s"], 3), _f(r["jobs"]["run_s"], 3),
-          _f(r["mean"] - r["jobs"]["total_s"], 3), _f(r["cpu"].get("api")), _f(r["cpu"].get("worker")),
-          _f(r["cpu"].get("redis")), _f(r["cpu"].get("client")),
-          _f(per_request_ms(r, "worker"), 0), _f(per_request_ms(r, "api"), 1)]
-         for r in lv_rows]))
-    L.append("")
-    L.append("*queue wait*: job record created by the API -> marked running by a worker thread; "
-             "*in worker*: running -> final (engine admission, decoding, result stored); "
-             "*API + HTTP*: the rest of the client's latency (HTTP, Flask, validation, waking up, "
-             "fetching the result). Cores: CPU seconds / wall seconds of each process tree.")
-
-    L += ["", "## 2. In-process padded `model.generate`", ""]
-    L.append(table(["batch", "latency s", "req/s", "tokens/s", "padded prompt len", "runs s", "other load"],
-                   [[r["batch"], _f(r["latency_s"], 3), _f(r["req_s"]), _f(r["tok_s"], 1), r["padded_prompt_len"],
-                     _runs(r), _f(r["other_load"])] for r in inproc["generate"]]))
-    L += ["", "## 3. In-process HFEngine (continuous batching, no queue)", ""]
-    L.append(table(["batch", "latency s", "req/s", "tokens/s", "mean batch", "runs s", "other load"],
-                   [[r["batch"], _f(r["latency_s"], 3), _f(r["req_s"]), _f(r["tok_s"], 1), _f(r["batch_size_mean"], 1),
-                     _runs(r), _f(r["other_load"])] for r in inproc["engine"]]))
-    L.append("")
-    L.append("*runs s*: every timed run; ~~struck~~ runs were disturbed by other load and left out of the "
-             "median. *other load*: mean over the kept runs.")
-
-    L += ["", "## Side by side", ""]
+        ["clients", "requests", "req/s", "p50 s", "p90 s", "p99 s", "mean batch", "queue wait s", "in worker s",
+         "API cores", "worker cores", "errors", "other load"],
+        [[r["clients"], r["requests"] if not r["capped"] else f"{r['requests']}*", _f(r["rate"]), _f(r["p50"], 3),
+          _f(r["p90"], 3), _f(r["p99"], 3), _f(r["jobs"]["batch_size_mean"], 1), _f(r["jobs"]["queued_s"], 3),
+          _f(r["jobs"]["run_s"], 3), _f(r["cpu"].get("api")), _f(r["cpu"].get("worker")), r["errors"], _noise(r)]
+         for r in api["levels"]]))
+    L += ["", "## 2. In process (no queue, no HTTP) beside the API", ""]
     rows = []
-    for r in lv_rows:
-        c = r["clients"]
-        g, e = gen.get(c), eng.get(c)
-        rows.append([c, _f(r["rate"]), _f(g["req_s"]) if g else "n/a", _f(e["req_s"]) if e else "n/a",
-                     _f(r["rate"] / g["req_s"]) if g else "n/a", _f(r["rate"] / e["req_s"]) if e else "n/a",
-                     _f(e["req_s"] / g["req_s"]) if e and g else "n/a"])
-    L.append(table(["clients = batch", "API req/s", "generate req/s", "HFEngine req/s", "API / generate",
-                    "API / HFEngine", "HFEngine / generate"], rows))
-    a1 = next((r for r in lv_rows if r["clients"] == 1), None)
-    if a1 and 1 in gen:
-        L.append("")
-        L.append(f"Latency at 1 client: API p50 {a1['p50']:.3f} s / generate at batch 1 {gen[1]['latency_s']:.3f} s "
-                 f"= **{a1['p50'] / gen[1]['latency_s']:.2f}**"
-                 + (f"; HFEngine at batch 1 {eng[1]['latency_s']:.3f} s "
-                    f"(= {eng[1]['latency_s'] / gen[1]['latency_s']:.2f} x generate)" if 1 in eng else ""))
-
-    L += ["", "## 4. Echo engine through the API (no model: HTTP + Flask + Redis + Celery)", ""]
+    for b in sorted(gen):
+        g, e, r = gen[b], eng.get(b), next((x for x in api["levels"] if x["clients"] == b), None)
+        rows.append([b, _f(g["req_s"]), _f(e["req_s"]) if e else "n/a", _f(r["rate"]) if r else "n/a",
+                     _f(r["rate"] / g["req_s"]) if r else "n/a", _f(r["rate"] / e["req_s"]) if r and e else "n/a",
+                     _f(g["latency_s"], 3), _f(e["latency_s"], 3) if e else "n/a", _f(g["other_load"])])
+    L.append(table(["batch = clients", "generate req/s", "HFEngine req/s", "API req/s", "API / generate",
+                    "API / HFEngine", "generate s", "HFEngine s", "other load"], rows))
+    L.append("")
+    L.append("*generate*: padded `model.generate` of the whole batch; *HFEngine*: our engine alone, the batch "
+             "submitted at once (bench/inproc.py).")
+    L += ["", "## 3. Echo engine through the API (no model)", ""]
     L.append(table(
-        ["GENQ_API_WORKERS", "clients", "client procs", "jobs/s", "p50 ms", "p90 ms", "p99 ms", "errors",
-         "API cores", "worker cores", "Redis cores", "client cores", "other load"],
-        [[r["api_workers"], r["clients"], r["client_procs"], _f(r["rate"], 1), _f(r["p50"] * 1000, 1),
-          _f(r["p90"] * 1000, 1), _f(r["p99"] * 1000, 1), r["errors"], _f(r["cpu"].get("api")),
-          _f(r["cpu"].get("worker")), _f(r["cpu"].get("redis")), _f(r["cpu"].get("client")),
-          _noise(r)] for r in echo["runs"]]))
-    if echo["runs"]:
-        best = max(echo["runs"], key=lambda r: r["rate"])
-        per = lambda k: best["cpu"].get(k, math.nan) * best["window_s"] / best["requests"] * 1000 if best["requests"] else math.nan  # noqa: E731
-        L.append("")
-        L.append(f"Best: GENQ_API_WORKERS={best['api_workers']}, {best['rate']:.1f} jobs/s. Load generator: "
-                 f"{best['client_procs']} processes of `python -m bench.load` ({best['clients']} closed-loop "
-                 f"`http.client` keep-alive threads in all), {best['window_s']:.0f} s window. CPU per job: "
-                 f"API {per('api'):.2f} ms, worker {per('worker'):.2f} ms, Redis {per('redis'):.2f} ms, "
-                 f"client {per('client'):.2f} ms.")
-
-    L += ["", "## 5. API memory (resident set size)", ""]
-    mems = [("after the hf levels (GENQ_API_WORKERS=1)", api["memory"])]
-    mems += [(f"after echo (GENQ_API_WORKERS={r['api_workers']})", r["memory"]) for r in echo["runs"]]
-    rows = []
-    for when, ms in mems:
-        for x in ms:
-            rows.append([when, f"{x['role']} {x['pid']}", _f(x["rss_mb"], 1), _f(x["uss_mb"], 1), _f(x["pss_mb"], 1)])
-        rows.append([when, "**total**", _f(sum(x["rss_mb"] for x in ms), 1), _f(sum(x["uss_mb"] for x in ms), 1),
-                     _f(sum(x["pss_mb"] for x in ms), 1)])
-    L.append(table(["when", "process", "RSS MB", "USS MB", "PSS MB"], rows))
+        ["GENQ_API_WORKERS", "clients", "jobs/s", "p50 ms", "p99 ms", "API cores", "worker cores", "Redis cores",
+         "client cores", "errors", "other load"],
+        [[r["api_workers"], r["clients"], _f(r["rate"], 1), _f(r["p50"] * 1000, 1), _f(r["p99"] * 1000, 1),
+          _f(r["cpu"].get("api")), _f(r["cpu"].get("worker")), _f(r["cpu"].get("redis")), _f(r["cpu"].get("client")),
+          r["errors"], _noise(r)] for r in echo["runs"]]))
+    L += ["", "## 4. API memory", ""]
+    mems = [("after the hf levels, GENQ_API_WORKERS=1", api["memory"])]
+    mems += [(f"after echo, GENQ_API_WORKERS={r['api_workers']}", r["memory"]) for r in echo["runs"]]
+    L.append(table(["when", "largest worker RSS MB", "total RSS MB", "total PSS MB"],
+                   [[when, _f(max((x["rss_mb"] for x in ms if x["role"] == "worker"), default=None), 1),
+                     _f(sum(x["rss_mb"] for x in ms), 1), _f(sum(x["pss_mb"] for x in ms), 1)] for when, ms in mems]))
     L.append("")
     return "\n".join(L)
 

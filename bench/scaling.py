@@ -136,14 +136,12 @@ def saturated(r: dict, nproc: int) -> str:
 
 def render(res: dict) -> str:
     a, m, pts = res["args"], res["machine"], res["points"]
-    L = [MARKER, "", "## Run", "", *run_lines(res)]
-    L.append(f"- Redis {res['redis_version']} (a private redis-server); API under gunicorn; workers: "
-             f"`GENQ_ENGINE=sim GENQ_SIM_STEP_MS={a['step_ms']} GENQ_MAX_BATCH_SIZE={a['batch']}`, i.e. a decode "
-             f"step of {step_s(a['step_ms'], 1) * 1000:.1f} ms at batch 1 and {step_s(a['step_ms'], a['batch']) * 1000:.1f} "
-             f"ms at batch {a['batch']}")
-    L.append(f"- Load: `POST /basic_generate` with `max_new_tokens: {a['tokens']}`, {a['clients_per_worker']} closed-loop "
-             f"clients per worker (at most {a['max_clients']}) from {a['load_procs']} `bench.load` processes; "
-             f"{a['duration']:g} s window per point after a warm-up of 3 requests per client")
+    L = [MARKER, "", "## Latest run", "", *run_lines(res)]
+    L.append(f"- Redis {res['redis_version']} (private); workers `GENQ_ENGINE=sim GENQ_SIM_STEP_MS={a['step_ms']} "
+             f"GENQ_MAX_BATCH_SIZE={a['batch']}` (a step of {step_s(a['step_ms'], a['batch']) * 1000:.1f} ms at batch "
+             f"{a['batch']}); `POST /basic_generate`, `max_new_tokens: {a['tokens']}`, {a['clients_per_worker']} "
+             f"clients per worker (at most {a['max_clients']}) from {a['load_procs']} `bench.load` processes, "
+             f"{a['duration']:g} s per point")
     L += ["", "## Jobs/s, queue time and Redis commands", ""]
     L.append(table(
         ["workers", "API procs", "clients", "jobs/s", "ideal jobs/s", "p50 ms", "queue p50 ms", "Redis cmds/job",
@@ -153,47 +151,24 @@ def render(res: dict) -> str:
           _f(r["cpu"].get("api")), _f(r["cpu"].get("workers")), _f(r["cpu"].get("redis")), _f(r["cpu"].get("client")),
           _noise(r), saturated(r, m["nproc"]), r["errors"]] for r in pts]))
     L.append("")
-    L.append("*ideal*: what the workers could finish if the control plane cost nothing (each worker always full: "
-             "batch / (tokens x step at that batch)). *queue p50*: job record created by the API -> marked running by "
-             "a worker, from the records. *Redis cmds/job*: every command Redis executed during the window (`INFO "
-             "commandstats`, all clients: the API, the workers, their heartbeats) over the jobs that finished in it. "
-             "Cores: CPU seconds / wall seconds of each process tree. *closest to its ceiling*: Redis (one core), the "
-             "API (one core per process) or the whole machine, as a share of its ceiling.")
+    L.append("*ideal*: each worker always full, no control-plane cost. *Redis cmds/job*: `INFO commandstats` over "
+             "the window, all clients, over the jobs finished in it. *closest to its ceiling*: Redis (one core), "
+             "the API (one core per process) or the machine.")
     if pts:
         best = max(pts, key=lambda r: r["rate"])
-        top = sorted(best["calls"].items(), key=lambda kv: -kv[1])[:12]
-        done = best["jobs"]["jobs"] or best["requests"]
-        L += ["", f"Redis commands per job at the best point ({best['workers']} workers, {best['api_workers']} API "
-              f"process{'es' * (best['api_workers'] > 1)}, {best['rate']:.0f} jobs/s): " + ", ".join(f"`{k}` {v / done:.2f}" for k, v in top)]
-        redis_ms = best["cpu"].get("redis", 0.0) / best["rate"] * 1000 if best["rate"] else float("nan")
-        api_ms = best["cpu"].get("api", 0.0) / best["rate"] * 1000 if best["rate"] else float("nan")
-        w_ms = best["cpu"].get("workers", 0.0) / best["rate"] * 1000 if best["rate"] else float("nan")
-        exec_ms = best.get("redis_exec_ms_per_job", float("nan"))
-        L += ["", f"CPU per job there: API {api_ms:.2f} ms, workers {w_ms:.2f} ms, Redis {redis_ms:.2f} ms "
-              f"({best['commands_per_job']:.1f} commands, {redis_ms * 1000 / best['commands_per_job']:.1f} µs each), "
-              f"of which executing the commands {exec_ms:.3f} ms (`INFO commandstats` usec; the rest is network I/O "
-              "and the event loop)."]
-        L += ["", "## Projection: N GPU workers on other hosts", ""]
-        cap = 1000 / redis_ms
-        L.append(f"Redis runs commands on one thread, so one Redis carries at most about **{cap:.0f} jobs/s** at the "
-                 f"{redis_ms:.2f} ms of Redis CPU per job measured here ({best['commands_per_job']:.0f} commands "
-                 f"per job), and never more than {1000 / exec_ms:.0f} jobs/s, where executing the commands alone "
-                 f"({exec_ms:.3f} ms per job) would fill its core; each API process carries about "
-                 f"{1000 / api_ms:.0f} jobs/s per core ({api_ms:.2f} ms per job); the workers spend {w_ms:.2f} ms of "
-                 "CPU per job on the queue path (Celery, records, token events) beside their GPUs. The API is "
-                 "stateless and scales out behind a load balancer; the workers scale with the GPUs; Redis is the "
-                 "shared piece. With every GPU worker finishing J jobs/s:")
+        per = {k: best["cpu"].get(k, 0.0) / best["rate"] * 1000 if best["rate"] else float("nan")
+               for k in ("api", "workers", "redis")}
+        L += ["", f"## Projection from the best point ({best['workers']} workers, {best['api_workers']} API "
+              f"processes, {best['rate']:.0f} jobs/s)", ""]
+        cap = 1000 / per["redis"]
+        L.append(f"CPU per job: API {per['api']:.2f} ms, workers {per['workers']:.2f} ms, Redis {per['redis']:.2f} ms "
+                 f"({best['commands_per_job']:.0f} commands). One Redis (one thread) carries about **{cap:.0f} "
+                 f"jobs/s**; the API scales out; the workers with their GPUs. With each GPU worker at J jobs/s:")
         L.append("")
-        rows = [[j, f"{cap / j:.0f}", f"{0.7 * cap / j:.0f}", f"{j * w_ms / 1000:.2f}"] for j in (5, 20, 50, 100)]
-        L.append(table(["J: jobs/s per GPU worker", "GPU workers one Redis carries (100 % of a core)",
-                        "at 70 %", "CPU cores each worker's host spends on the queue path"], rows))
-        L.append("")
-        L.append(f"At Redis's ceiling ({cap:.0f} jobs/s) the API needs about {cap * api_ms / 1000:.1f} cores, "
-                 "spread over as many processes and hosts as one likes.")
-        L.append("")
-        L.append("(J = 100 is e.g. a GPU decoding 32-token jobs at batch 64 with 20 ms steps: 64 / (32 x 0.02).) "
-                 "Redis's CPU per job was measured on this machine beside the rest of the stack; the section above "
-                 "the marker says what to do past these ceilings.")
+        L.append(table(["J: jobs/s per GPU worker", "GPU workers one Redis carries", "at 70 %",
+                        "CPU cores per worker host on the queue path"],
+                       [[j, f"{cap / j:.0f}", f"{0.7 * cap / j:.0f}", f"{j * per['workers'] / 1000:.2f}"]
+                        for j in (5, 20, 50, 100)]))
     L.append("")
     return "\n".join(L)
 

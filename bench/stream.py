@@ -1,32 +1,17 @@
-"""`python -m bench.stream`: streaming latency through the whole stack, and writes
+"""`python -m bench.stream`: streaming latency through the whole stack; writes
 docs/benchmarks-streaming.md.
 
-What it measures, in one run:
+1. In-process prefill (a subprocess, before any server): one forward over one prompt
+   (`use_cache=True, logits_to_keep=1`) + argmax, the floor of time to first token; and one
+   decode step at batch 1, the floor of inter-token latency.
+2. Streaming through the API (one hf worker, GENQ_MAX_BATCH_SIZE=64): N closed-loop clients,
+   each `POST /v1/jobs` then `GET /v1/jobs/<id>/stream` on the same connection (`--endpoint
+   completions`: `POST /v1/completions` with `"stream": true`), read with `read1` as bytes
+   arrive. TTFT: POST sent -> first token event; ITL: gaps between token events; where TTFT
+   goes: from the job record and the Redis Stream id of the first token.
 
-1. *In-process prefill* (a subprocess of its own, before any server starts): the same
-   checkpoint loaded with transformers; one forward pass over one prompt (the engine's
-   prefill: `use_cache=True, logits_to_keep=1`, then argmax), over the benchmark's prompts in
-   turn; the median is the floor of time to first token. Also the time of one decode step at
-   batch 1, the floor of inter-token latency.
-2. *Streaming through the API*: private Redis (or REDIS_URL when it answers), one hf worker
-   (GENQ_MAX_BATCH_SIZE=64), the API under gunicorn; N closed-loop streaming clients, each a
-   thread with one keep-alive `http.client` connection. Each request (`--endpoint jobs`, the
-   default): `POST /v1/jobs` (32 new tokens, greedy, ignore_eos), then
-   `GET /v1/jobs/<id>/stream` on the same connection, read with `read1` as bytes arrive; the
-   time of each `event: token` is taken when the bytes that complete it are read.
-   (`--endpoint completions`: one `POST /v1/completions` with `"stream": true`; each `data:`
-   chunk that has no finish reason is a token.)
-   - TTFT: from just before the POST is sent to the arrival of the first token event, whatever
-     its text (a token can end inside a UTF-8 character and carry ""); "TTFT text" is to the
-     first token event with non-empty text.
-   - ITL: the gaps between consecutive token events of one request (31 per request), pooled.
-   - req/s: as bench.load does (each client's requests over the time they spanned, summed).
-   - Where TTFT goes: from the job record (created, started) and the Redis Stream entry id of
-     the first token (its millisecond timestamp, written by the worker's publisher).
-
-Everything started here is stopped again (process groups), also on Ctrl-C or an error.
-Logs and raw JSON go to bench/out/stream-<timestamp>/ (git-ignored).
-Quick run: `python -m bench.stream --model tiny --levels 1,2 --duration 2 --no-write`.
+Logs and results.json: bench/out/stream-<timestamp>/. Quick run: `python -m bench.stream
+--model tiny --levels 1,2 --duration 2 --no-write`.
 """
 
 from __future__ import annotations
@@ -38,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import (MAX_NEW_TOKENS, PROMPTS, Processes, RedisTarget, Stack, fmt as _f, int_list, make_log, mean,
+from bench.common import (MAX_NEW_TOKENS, PROMPTS, Processes, RedisTarget, Stack, fmt as _f, int_list, make_log,
                           median, ms as _ms, noise as _noise, own_cpu_s, parser, percentile, run_bench, run_lines,
                           main_with_render, system_busy_s, table)
 from bench.load import completion_bodies, generate_bodies, measure_levels, sse_request, sse_stats
@@ -227,153 +212,41 @@ def target(res: dict) -> tuple[str, str]:
 
 def render(res: dict) -> str:
     m, ip, rows, a = res["machine"], res["inproc"], res["levels"], res["args"]
-    endpoint = ("`POST /v1/jobs`, then `GET /v1/jobs/<id>/stream` on the same keep-alive connection"
-                if a["endpoint"] == "jobs" else "`POST /v1/completions` with `\"stream\": true`")
-    L = [MARKER, "", "## Run", "", *run_lines(res)]
-    L.append(f"- Software: Python {m['python']}, torch {ip['torch']} ({ip['torch_threads']} intra-op threads, the "
-             f"default, in the worker too), transformers {ip['transformers']}, Redis {res['redis_version']} "
-             f"({res['redis_kind']})")
-    pt = ip["prompt_tokens"]
-    L.append(f"- Checkpoint: `{res['model_dir']}` (`--model {res['model']}`: random-weight OPT from "
-             f"worker/devmodels.py, {res['params_m']:.1f}M parameters, float32); the 16 prompts of bench/common.py, "
-             f"{min(pt)}-{max(pt)} tokens ({mean(pt):.1f} on average, BOS included), in turn")
-    L.append(f"- Stack: one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}; the API under gunicorn (gevent), "
-             f"GENQ_API_WORKERS={a['api_workers']}; Redis as above")
-    L.append(f"- Requests: {MAX_NEW_TOKENS} new tokens each, greedy, `ignore_eos: true`; each client: {endpoint}; "
-             f"closed loop (next request as soon as the stream has ended), one `http.client` keep-alive "
-             f"connection per client thread, the SSE body read with `read1` as bytes arrive")
-    L.append(f"- Window per level: >= {a['duration']:g} s and >= {a['min_requests']} requests per client after one "
-             f"warm-up request each; requests that end inside it count. A level during which processes outside "
-             f"the benchmark used more than {a['max_other_load']:g} cores is measured again (up to "
-             f"{a['retries']} times) and the quietest kept")
-    L.append("- TTFT: from just before the first POST is sent to the arrival of the first token event, "
-             "**whatever its text** (a token that ends inside a UTF-8 character carries \"\"); *TTFT text*: to "
-             "the first token event with non-empty text. ITL: gaps between consecutive token events of one "
-             f"request ({MAX_NEW_TOKENS - 1} per request), pooled over the level's requests. req/s: each client's "
-             "requests over the time they spanned, summed over clients (as bench.load)")
-
+    endpoint = ("`POST /v1/jobs`, then `GET /v1/jobs/<id>/stream` on the same connection" if a["endpoint"] == "jobs"
+                else "`POST /v1/completions` with `\"stream\": true`")
+    L = [MARKER, "", "## Latest run", "", *run_lines(res)]
+    L.append(f"- Software: Python {m['python']}, torch {ip['torch']} ({ip['torch_threads']} threads), transformers "
+             f"{ip['transformers']}, Redis {res['redis_version']} ({res['redis_kind']})")
+    L.append(f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
+             f"parameters); one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}, GENQ_API_WORKERS={a['api_workers']}")
+    L.append(f"- Requests: {endpoint}, {MAX_NEW_TOKENS} tokens, greedy, `ignore_eos`; >= {a['duration']:g} s and "
+             f">= {a['min_requests']} requests per client per level. TTFT: POST sent -> first token event; ITL: gaps "
+             "between a request's token events, pooled")
     v, s = target(res)
     L += ["", "## Target", "", f"- **{v}** {s}; target: TTFT p50 at 1 stream <= in-process prefill + 50 ms"]
-
     L += ["", "## Streaming through the API", ""]
     L.append(table(
-        ["streams", "requests", "req/s", "tokens/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT text p50 ms",
-         "ITL p50 ms", "ITL p90 ms", "ITL p99 ms", "ITL < 1 ms", "e2e p50 s", "errors", "other load"],
-        [[r["clients"], r["requests"] if not r["capped"] else f"{r['requests']}*", _f(r["rate"]),
-          _f(r["rate"] * MAX_NEW_TOKENS, 1), _ms(r["ttft_p50"]), _ms(r["ttft_p90"]), _ms(r["ttft_text_p50"]),
-          _ms(r["itl_p50"]), _ms(r["itl_p90"]), _ms(r["itl_p99"]), f"{r['itl_burst_share'] * 100:.0f}%"
-          if not math.isnan(r["itl_burst_share"]) else "n/a", _f(r["p50"], 3), r["errors"], _noise(r)]
-         for r in rows]))
-    L.append("")
-    L.append("*ITL < 1 ms*: share of gaps under 1 ms, i.e. tokens that reached the client together rather than one "
-             "decode step apart. *other load*: CPU cores used by processes outside the benchmark during the "
-             "window (`!`: above the limit even on the quietest try). A `*` marks a window cut short.")
-
+        ["streams", "requests", "req/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT text p50 ms", "ITL p50 ms",
+         "ITL p90 ms", "ITL p99 ms", "e2e p50 s", "errors", "other load"],
+        [[r["clients"], r["requests"] if not r["capped"] else f"{r['requests']}*", _f(r["rate"]), _ms(r["ttft_p50"]),
+          _ms(r["ttft_p90"]), _ms(r["ttft_text_p50"]), _ms(r["itl_p50"]), _ms(r["itl_p90"]), _ms(r["itl_p99"]),
+          _f(r["p50"], 3), r["errors"], _noise(r)] for r in rows]))
     L += ["", "## Where the time to first token goes", ""]
-    prow = []
-    for r in rows:
-        p = r.get("parts") or {}
-        if not p.get("n"):
-            continue
-        prow.append([r["clients"], _ms(r["ttft_p50"]), _ms(p["api_submit"]), _ms(p["queue"]),
-                     _ms(p["worker_first"]), _ms(p["deliver"]), p["n"], _f(r["cpu"].get("api")),
-                     _f(r["cpu"].get("worker")), _f(r["cpu"].get("redis")), _f(r["cpu"].get("client"))])
-    if prow:
-        L.append(table(["streams", "TTFT p50 ms", "POST -> job created ms", "created -> running ms",
-                        "running -> 1st token in Redis ms", "Redis -> client ms", "jobs",
-                        "API cores", "worker cores", "Redis cores", "client cores"], prow))
-        L.append("")
-        L.append("Medians over the level's requests, from the stack's own records: the job record's `created` "
-                 "(written by the API) and `started` (the worker's Celery task thread marks it running), and the "
-                 "millisecond timestamp in the Redis Stream id of the job's first token event (written by the "
-                 "worker's publisher thread after the prefill step). *Redis -> client*: the API's XREAD wakes, "
-                 "the SSE event is written, the client reads it"
-                 + (" (and, with `--endpoint jobs`, the GET that opens the stream, when the token is already there)."
-                    if a["endpoint"] == "jobs" else ".")
-                 + " Each column is a separate median, so they need not add up to the TTFT median. "
-                 "Cores: CPU seconds / wall seconds of each process tree during the window.")
-    else:
-        L.append("(n/a: `--endpoint completions` does not expose job ids.)")
-
-    L += ["", "## In-process reference (same checkpoint, transformers, no server)", ""]
-    L.append(table(
-        ["what", "median ms", "p10 ms", "p90 ms", "samples"],
-        [["prefill: one forward over one prompt (`use_cache=True, logits_to_keep=1`) + argmax",
-          _ms(ip["prefill_median_s"], 2), _ms(ip["prefill_p10_s"], 2), _ms(ip["prefill_p90_s"], 2),
-          ip["prefill_samples"]],
-         ["decode step at batch 1 (one token on the KV cache) + argmax", _ms(ip["decode_step_median_s"], 2), "",
-          _ms(ip["decode_step_p90_s"], 2), 4 * (MAX_NEW_TOKENS - 1)],
-         ["tokenizing one prompt", _ms(ip["tokenize_median_s"], 2), "", "", len(PROMPTS)]]))
+    prow = [[r["clients"], _ms(r["ttft_p50"]), _ms(p["api_submit"]), _ms(p["queue"]), _ms(p["worker_first"]),
+             _ms(p["deliver"]), p["n"]] for r in rows if (p := r.get("parts") or {}).get("n")]
+    L.append(table(["streams", "TTFT p50 ms", "POST -> job created", "created -> running",
+                    "running -> 1st token in Redis", "Redis -> client", "jobs"], prow) if prow
+             else "(n/a: `--endpoint completions` does not expose job ids.)")
     L.append("")
-    L.append(f"Measured in a subprocess before any server started, with torch's default threads; other load "
-             f"during the prefill samples: {_f(ip['other_load'])} cores. Prefill samples: "
-             f"{a['prefill_reps']} passes over the 16 prompts after 4 warm-up passes.")
-    L += ["", "## Reading", ""]
-    L += reading(res)
+    L.append("Medians (ms) from the job records (`created`, `started`) and the Redis Stream id of the first token.")
+    L += ["", "## In-process reference (same checkpoint, transformers, no server)", ""]
+    L.append(table(["what", "median ms", "p90 ms"],
+                   [["prefill of one prompt + argmax", _ms(ip["prefill_median_s"], 2), _ms(ip["prefill_p90_s"], 2)],
+                    ["decode step at batch 1 + argmax", _ms(ip["decode_step_median_s"], 2),
+                     _ms(ip["decode_step_p90_s"], 2)],
+                    ["tokenizing one prompt", _ms(ip["tokenize_median_s"], 2), ""]]))
     L.append("")
     return "\n".join(L)
-
-
-def reading(res: dict) -> list[str]:
-    """What the numbers say, computed from them (so a rerun keeps it true)."""
-    ip, rows = res["inproc"], res["levels"]
-    pre, step = ip["prefill_median_s"], ip["decode_step_median_s"]
-    out = []
-    noisy = [str(r["clients"]) for r in rows if r.get("noisy")]
-    if noisy:
-        out.append(f"- Levels {', '.join(noisy)} ran while other processes used more than "
-                   f"{res['args']['max_other_load']:g} cores even on the quietest try: their numbers are slower "
-                   "than this machine alone would give.")
-    one = next((r for r in rows if r["clients"] == 1), None)
-    p = (one or {}).get("parts") or {}
-    if one and p.get("n"):
-        outside = p["api_submit"] + p["queue"] + p["deliver"]
-        out.append(
-            f"- **1 stream.** TTFT p50 {one['ttft_p50'] * 1000:.1f} ms against an in-process prefill of "
-            f"{pre * 1000:.1f} ms: the worker takes {p['worker_first'] * 1000:.1f} ms from picking the job up to "
-            f"writing its first token to Redis, {(p['worker_first'] - pre) * 1000:+.1f} ms against the bare prefill "
-            f"(not timed apart: tokenizing, the hand-off to the scheduler thread, the publisher thread's write); "
-            f"everything outside the worker (HTTP and the job record {p['api_submit'] * 1000:.1f} ms, Celery "
-            f"delivery {p['queue'] * 1000:.1f} ms, Redis -> API -> client {p['deliver'] * 1000:.1f} ms) adds "
-            f"{outside * 1000:.1f} ms. ITL p50 {one['itl_p50'] * 1000:.1f} ms is {one['itl_p50'] / step:.2f} x the "
-            f"in-process decode step ({step * 1000:.1f} ms)"
-            + (": no measurable cost per token (the two are measured minutes apart, in different processes)."
-               if one["itl_p50"] / step < 1.05 else
-               f": streaming adds {(one['itl_p50'] - step) * 1000:+.1f} ms per token."))
-    elif one:
-        out.append(f"- **1 stream.** TTFT p50 {one['ttft_p50'] * 1000:.1f} ms = prefill {pre * 1000:.1f} ms + "
-                   f"{(one['ttft_p50'] - pre) * 1000:.1f} ms; ITL p50 {one['itl_p50'] * 1000:.1f} ms = "
-                   f"{one['itl_p50'] / step:.2f} x the in-process decode step.")
-    v, _ = target(res)
-    if v == "FAIL" and one and p.get("n"):
-        big = max(("the worker beyond the prefill", p["worker_first"] - pre), ("Celery delivery", p["queue"]),
-                  ("Redis -> client", p["deliver"]), ("HTTP + job record", p["api_submit"]), key=lambda x: x[1])
-        out.append(f"- The target fails by {(one['ttft_p50'] - pre - TARGET_TTFT_MARGIN_S) * 1000:.1f} ms; the "
-                   f"largest piece above the prefill is {big[0]} ({big[1] * 1000:.1f} ms).")
-    more = [r for r in rows if r["clients"] > 1 and (r.get("parts") or {}).get("n")]
-    if more:
-        def waves(r):  # closed loop: each client has one request per wave
-            a = r["parts"].get("admissions")
-            return f", first tokens of each wave of {r['clients']} jobs in {a / (r['parts']['n'] / r['clients']):.1f} " \
-                   "admissions on average" if a else ""
-
-        parts = "; ".join(
-            f"{r['clients']} streams: TTFT {r['ttft_p50'] * 1000:.0f} ms, of which {r['parts']['worker_first'] * 1000:.0f} "
-            f"in the worker and {r['parts']['queue'] * 1000:.0f} in Celery delivery, ITL {r['itl_p50'] * 1000:.0f} ms"
-            + waves(r) for r in more)
-        inside = all(r["parts"]["worker_first"] > 0.5 * r["ttft_p50"] for r in more)
-        out.append(
-            f"- **More streams** ({parts}). "
-            + ("Most of the time goes inside the worker: " if inside else "Inside the worker, ")
-            + "a job that arrives while a batch runs "
-            "waits for the decode step in flight, then for its own prefill, and the first token is written only "
-            "after that. In a closed loop every client of a level finishes and resubmits at about the same "
-            "moment, so a level's jobs reach the worker spread over the Celery delivery time shown and are "
-            "admitted over more than one scheduler iteration (the admissions counted above), each a prefill of "
-            "the newcomers plus a decode step of the whole batch: the later ones wait for the earlier ones. ITL at N streams is the decode step at batch N, plus those prefill stalls in p90/p99. "
-            "Outside the worker: see the other columns of the table above.")
-    return out
-
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ lines fill every row of the worker's batch (GENQ_MAX_BATCH_SIZE); the worker run
 GENQ_RESERVED_SLOTS threads beyond that, and the batch driver keeps the fleet's lines within
 the workers' capacity plus half that reserve, so an interactive job is taken at once and runs,
 preempting a line, instead of waiting for one to finish. (Latency and throughput figures:
-`python -m bench.batch`, docs/benchmarks.md.)"""
+docs/benchmarks.md, "Batch API beside interactive requests".)"""
 
 from __future__ import annotations
 
