@@ -269,7 +269,7 @@ def fault_run(procs, redis_url, plan: Plan, label: str, sig: signal.Signals | No
                    all_done_s=max(finished) - (t_sig if sig else submitted) if finished and not lost else None)
         if sig is None:
             reference.update(zip(prompts, texts))
-        out["mismatched"] = sum(reference.get(p) != t for p, t in zip(prompts, texts))
+        out["mismatched"] = sum(reference.get(p) != t for p, t in zip(prompts, texts)) if reference else None
         if sig:
             moved = [r for r in recs if r.get("attempts", 0) > 1]
             restarted = [r["timings"]["started"] - t_sig for r in moved]
@@ -464,13 +464,15 @@ def render(res: dict) -> str:
     if faults:
         L += ["", "## A worker killed (SIGKILL) or hung (SIGSTOP) mid-batch", "",
               f"Two workers, {plan['jobs']} jobs of {plan['tokens']} tokens; the worker running most of them gets "
-              "the signal once one of its jobs has a quarter of its tokens. Seconds from the signal; reference run "
-              f"(no fault): all done {_s((res['reference'] or {}).get('all_done_s'))} s after submission.", ""]
+              "the signal once one of its jobs has a quarter of its tokens. Seconds from the signal"
+              + (f"; reference run (no fault): all done {_s(res['reference'].get('all_done_s'))} s after submission"
+                 if res["reference"] else "") + ".", ""]
         L.append(table(["signal", "run", "held", "run again", "restarted s", "recovered s", "all done s", "lost",
                         "duplicated", "text ≠ reference", "workers after SIGCONT", "other load"],
                        [[r["signal"], n + 1, r.get("held", "?"), r.get("moved", "?"), _s(r.get("restarted_s")),
                          _s(r.get("recovery_s")), _s(r.get("all_done_s")), r.get("lost", "?"), r.get("duplicated", "?"),
-                         r.get("mismatched", "?"), r.get("back_after_wake", "-"), _s(r["other_load"])]
+                         "-" if r.get("mismatched") is None else r["mismatched"], r.get("back_after_wake", "-"),
+                         _s(r["other_load"])]
                         for k in ("sigkill", "sigstop") for n, r in enumerate(res[k])]))
         L += ["", "*held*: jobs running on the lost worker; *restarted*: the first of them running again "
               "elsewhere; *recovered*: the last of them succeeded; *duplicated*: more than 2 attempts, or record, "
