@@ -91,3 +91,13 @@ def test_the_job_stream_frames_a_restart(redis_url, monkeypatch):
     assert blocks[2] == 'id: 2:0\nevent: token\ndata: {"index": 0, "text": " b"}'
     assert blocks[3].startswith("id: 2:1\nevent: done\n")
     app.extensions["genq"].r.delete(queue_for(settings.served_model))
+
+
+def test_without_comments_the_headers_go_at_once_and_nothing_while_waiting():
+    """The OpenAI routes' streams (comments=False): an empty first chunk (the server sends the
+    headers with it), and no keep-alive for a None: outside gunicorn nothing says the client
+    left, so the relay just reads on."""
+    events = [None, ("a", TokenEvent(0, "x")), None, None]
+    resp = sse.relay(iter(events), token=lambda j, ev: ev.text, end=lambda j, ev: None, restart=lambda j, ev: None,
+                     head=["H"], tail=lambda complete: ["done"], comments=False)
+    assert frames(resp) == ["", "H", "x", "done"]

@@ -215,7 +215,7 @@ class _Relay:
         yield sse.event("[DONE]")
 
     def response(self, events) -> Response:
-        return sse.relay(events, self.token, self.end, self.restart, self.head(), self.tail)
+        return sse.relay(events, self.token, self.end, self.restart, self.head(), self.tail, comments=False)
 
 
 class _CompletionRelay(_Relay):

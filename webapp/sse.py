@@ -1,6 +1,11 @@
 """Server-sent events: framing, the response that carries them, and the one loop that relays a
 job's token events to a client (`relay`), which every streaming route uses with its own
-framing of tokens, restarts and ends."""
+framing of tokens, restarts and ends.
+
+The OpenAI routes send no SSE comment (`comments=False`), as vLLM's server sends none:
+clients written for it may not parse one (vLLM's benchmark client strips each network read
+before splitting on blank lines, and after a lone `: keep-alive` read no later event of the
+response). Those streams notice a client that went away by its socket instead."""
 
 from __future__ import annotations
 
@@ -8,9 +13,10 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Union
 
-from flask import Response
+from flask import Response, has_request_context, request
 
 from tasks.streams import Restart, StreamEnd, TokenEvent
+from webapp.service import client_gone
 
 
 def event(data, event: str | None = None, id: int | str | None = None) -> str:
@@ -53,20 +59,31 @@ def relay(
     restart: Callable[[str, Restart], Frame],
     head: Iterable[str] = (),
     tail: Callable[[bool], Iterable[str]] | None = None,
+    comments: bool = True,
 ) -> Response:
     """An SSE response relaying `events` (JobService.events: `(job_id, event)` pairs, None
     while nothing happens): `head` first, a keep-alive for each None, then each event as the
     route frames it, and last `tail(complete)`, where `complete` is False if a callback ended
     the stream early with a `Last` frame. The events are closed when the response ends, also
-    when the client went away, so the jobs a stream owns are cancelled then at once."""
+    when the client went away, so the jobs a stream owns are cancelled then at once.
+
+    `comments=False`: no keep-alive; the headers go at once (an empty first chunk) and at
+    each None the client's socket says whether it is still there (where the server tells:
+    gunicorn), ending the stream, without its tail, when it is not."""
+    gone = None if comments or not has_request_context() else client_gone(request.environ)
 
     def chunks() -> Iterator[str]:
         try:
+            if not comments:
+                yield ""  # gunicorn sends the headers with it, no body
             yield from head
             complete = True
             for item in events:
                 if item is None:
-                    yield KEEPALIVE
+                    if comments:
+                        yield KEEPALIVE
+                    elif gone is not None and gone():
+                        return
                     continue
                 job_id, ev = item
                 if isinstance(ev, StreamEnd):
