@@ -7,8 +7,8 @@ projection (50,272 x 768) takes 40-50 ms at 4-32 rows on a 2-core AMD EPYC with 
 13-15 ms at 1 row, so a batch of 10 paid 3x the weight's cost. oneDNN with the weight reordered
 once into its blocked layout (`mkldnn._reorder_linear_weight`, what torch.compile's CPU
 "freezing" does, and vLLM's CPU backend with its own oneDNN GEMMs) ran the same product at
-12-25 ms there; whole decode steps got 1.15-1.96x faster at batch 1-64 (`python -m
-bench.decode_step --packed`, docs/benchmarks.md).
+12-25 ms there; whole decode steps got 1.15-1.96x faster at batch 1-64 (docs/benchmarks.md,
+measured with bench/decode_step.py, since removed: see git history).
 
 `pack(model)` replaces every `nn.Linear` of the model by a `PackedLinear` holding the
 packed weight (the original weight is freed, except where another module shares it: OPT's
