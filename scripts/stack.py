@@ -8,7 +8,8 @@ the process that started it, even one killed by SIGKILL (Linux `PR_SET_PDEATHSIG
 launcher, test run or benchmark leaves no Redis, worker or API behind. The launcher in turn
 stops everything when the process that started it dies (`make run`'s make, even SIGKILLed).
 `make run` keeps its private Redis's data in `GENQ_DATA_DIR` (AOF), so stopping and starting it
-loses no job, and restarts a worker that exits instead of stopping everything.
+loses no job, and restarts a worker that exits instead of stopping everything. With
+`GENQ_FLOWER=1` it starts Flower too, against the same Redis, with the workers' task events on.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 API_COMMAND = ["gunicorn", "--config", "python:webapp.gunicorn_conf", "webapp:create_app()"]
 WORKER_COMMAND = ["python", "-m", "worker"]
+FLOWER_COMMAND = ["celery", "-A", "tasks.flower_app", "flower"]
 TINY_MODEL_DIR = ROOT / ".models" / "tiny-opt"
 
 
@@ -45,6 +47,12 @@ def _bin(name: str) -> str:
 
 def api_argv() -> list[str]:
     return [_bin(API_COMMAND[0]), *API_COMMAND[1:]]
+
+
+def flower_argv() -> list[str]:
+    """Flower takes its options from FLOWER_* variables (FLOWER_PORT, FLOWER_ADDRESS,
+    FLOWER_BASIC_AUTH, ...) and the broker from REDIS_URL (tasks.flower_app)."""
+    return [_bin(FLOWER_COMMAND[0]), *FLOWER_COMMAND[1:]]
 
 
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -393,8 +401,14 @@ def main() -> int:
     if not is_loopback(settings.host) and not settings.auth_enabled:
         say(f"{'' if _log else 'WARNING: '}GENQ_HOST={settings.host} opens the API to the network, and it has "
             "no API keys: anyone who reaches the port can submit and read jobs.", err=True, level=logging.WARNING)
+    flower_env = {"FLOWER_ADDRESS": os.environ.get("FLOWER_ADDRESS") or settings.host}
+    if settings.flower and not is_loopback(flower_env["FLOWER_ADDRESS"]) and not os.environ.get("FLOWER_BASIC_AUTH"):
+        say(f"GENQ_FLOWER=1 with Flower on {flower_env['FLOWER_ADDRESS']} needs FLOWER_BASIC_AUTH=user:password "
+            "(Flower would be open to the network)", err=True, level=logging.ERROR)
+        return 2
 
     workers: list[Restarting] = []
+    flower: Restarting | None = None
     api: Proc | None = None
     private: PrivateRedis | None = None
     stopping = False
@@ -417,6 +431,8 @@ def main() -> int:
             say(f"started a private redis-server at {url}, its data in {data_dir}"
                 + (f" ({os.environ['REDIS_URL']} did not answer)" if os.environ.get("REDIS_URL") else ""))
         env["REDIS_URL"] = url
+        if settings.flower and "GENQ_CELERY_EVENTS" not in os.environ:
+            env["GENQ_CELERY_EVENTS"] = "true"  # what Flower reads; without them it sees no task
         cfg = {**os.environ, **env}
         engines = [e.strip() for e in cfg.get("GENQ_ENGINES", cfg.get("GENQ_ENGINE", "hf")).split(",") if e.strip()]
         model = cfg.get("GENQ_MODEL_NAME") or cfg["GENQ_MODEL"]
@@ -425,6 +441,10 @@ def main() -> int:
             workers.append(Restarting(f"{engine} worker", worker_argv(engine), worker_env))
             say(f"{engine} worker serves {name!r}")
         api = Proc("api", api_argv(), {**env, "GENQ_MODEL_NAME": model})
+        if settings.flower:
+            flower = Restarting("flower", flower_argv(), {**env, **flower_env})
+            say(f"flower   http://{flower_env['FLOWER_ADDRESS']}:{os.environ.get('FLOWER_PORT') or 5555}"
+                f" (task events {cfg.get('GENQ_CELERY_EVENTS')})")
         base = f"http://{settings.host}:{settings.port}"
         say(f"\nAPI      {base}\nready    {base}/readyz\nexample  curl -s {base}/basic_generate "
             "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello, my name is\"}'\n")
@@ -436,11 +456,13 @@ def main() -> int:
                 if p is not None and not p.alive():
                     say(f"{p.name} exited with {p.popen.returncode}; stopping the rest", err=True, level=logging.ERROR)
                     return 1
-            for w in workers:
+            for w in workers + ([flower] if flower else []):
                 w.poll()
             time.sleep(0.2)
         return 0
     finally:
+        if flower:
+            flower.stop()
         if api:
             api.stop()
         for w in reversed(workers):

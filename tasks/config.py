@@ -103,6 +103,7 @@ class Settings(BaseSettings):
     metrics_port: int = Field(0, ge=0, le=65535, description="worker exporter: first port tried (0 = off)")
     metrics_host: str = Field("127.0.0.1", description="address the worker exporter listens on")
     celery_events: bool = Field(False, description="Celery task events (for Flower); cost time per job")
+    flower: bool = Field(False, description="make run: start Flower beside the stack (scripts/stack.py)")
     log_format: Literal["text", "json"] = "text"
 
     @property

@@ -137,12 +137,12 @@ def test_a_job_whose_worker_dies_is_delivered_again(make_stack):
 class Launcher:
     """`python -m scripts.stack` as `make run` starts it, on a port and data dir of its own."""
 
-    def __init__(self, tmp_path, data_dir, name: str = "run", argv: list[str] | None = None):
+    def __init__(self, tmp_path, data_dir, name: str = "run", argv: list[str] | None = None, **extra_env: str):
         self.port = stackmod.free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / f"{name}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_") and k != "REDIS_URL"}
-        env.update(GENQ_PORT=str(self.port), GENQ_API_WORKERS="1", GENQ_DATA_DIR=str(data_dir))
+        env.update(GENQ_PORT=str(self.port), GENQ_API_WORKERS="1", GENQ_DATA_DIR=str(data_dir), **extra_env)
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 argv or [sys.executable, "-m", "scripts.stack"], cwd=stackmod.ROOT, env=env,
