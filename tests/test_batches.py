@@ -420,7 +420,7 @@ def test_the_window_leaves_room_for_interactive_jobs():
 
     from tasks.config import Settings
     from webapp.auth import ApiKey
-    from webapp.batches import BatchDriver
+    from webapp.batches.driver import BatchDriver
 
     def window(key=None, **settings):
         return BatchDriver.window(SimpleNamespace(settings=Settings(**settings)), key)

@@ -8,8 +8,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tasks.celery_app import BLOCKING_SOCKET_TIMEOUT_S, SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
+from tasks import redis_conn
 from tasks.config import Settings, get_settings
 from webapp import auth, batches, completions, errors, ids, metrics, openapi
+from webapp.routes import batches as batch_routes
 from webapp.routes import health, jobs, openai, teaching, tokens
 from webapp.service import EXTENSION, JobService
 
@@ -29,8 +31,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     # go through a client of their own, whose socket timeout stays above the longest block.
     # Both reconnect by themselves once Redis is back.
     def redis_client(socket_timeout: float) -> redis.Redis:
-        return redis.Redis.from_url(
-            settings.redis_url,
+        return redis_conn.client(  # REDIS_URL, or the master the sentinels name (GENQ_REDIS_SENTINELS)
+            settings,
             decode_responses=True,
             health_check_interval=30,
             max_connections=settings.api_connections + 32,
@@ -48,7 +50,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     auth.init_app(app, settings)
     ids.init_app(app)  # after auth: its 401 comes first
     openapi.init_app(app)
-    for bp in (health.bp, jobs.bp, teaching.bp, openai.bp, tokens.bp):
-        app.register_blueprint(bp)
     batches.init_app(app, settings)
+    for bp in (health.bp, jobs.bp, teaching.bp, openai.bp, tokens.bp, batch_routes.bp):
+        app.register_blueprint(bp)
     return app

@@ -98,7 +98,7 @@ def on_exit(server):
 
 
 def post_worker_init(worker):
-    """Every API process drives the batches (webapp/batches.py; their state is all in Redis)."""
+    """Every API process drives the batches (webapp/batches/driver.py; their state is all in Redis)."""
     from webapp import batches
 
     batches.start_driver(worker.wsgi)

@@ -6,8 +6,8 @@ have made (`file-…:lines`, another key's suffix) could name a key of another t
 of the shape is a 404, the same answer as an id of the right shape that does not exist.
 
 Where they are made: job ids `str(uuid.uuid4())` (webapp/service.py, JobService.submit),
-file ids `file-` + 24 hex digits and batch ids `batch_` + 24 hex digits (webapp/batches.py,
-FileStore.create, BatchStore.finalize and BatchStore.create).
+file ids `file-` + 24 hex digits and batch ids `batch_` + 24 hex digits (webapp/batches/:
+FileStore.create, BatchDriver.finalize and BatchStore.create).
 """
 
 from __future__ import annotations

@@ -32,11 +32,12 @@ REF = "#/components/schemas/{model}"
 # What each error status means here: one line per status, for every route that can answer it.
 ERRORS: dict[int, str] = {
     400: "the request is invalid: `invalid_request`, `invalid_json`, `prompt_too_long`, "
-    "`unsupported_parameter`",
+    "`unsupported_parameter`, `invalid_file` (an upload's bad line, named)",
     401: "`unauthorized`: no API key, or an unknown one (only when the API has keys)",
     404: "`not_found` (no such job, or another key's) or `model_not_found`",
-    409: "`already_final`: the job had already ended; as a job's outcome, `cancelled`",
-    413: "`request_entity_too_large` (the body is over GENQ_MAX_BODY_BYTES) or `too_many_prompts`",
+    409: "`already_final`: the job (or batch) had already ended; as a job's outcome, `cancelled`",
+    413: "`request_entity_too_large` (the body is over GENQ_MAX_BODY_BYTES), `too_many_prompts` or "
+    "`file_too_large` (GENQ_MAX_FILE_BYTES)",
     415: "`unsupported_media_type`: the body must be sent as `Content-Type: application/json`",
     429: "`queue_full` (GENQ_MAX_QUEUE_DEPTH) or `quota_exceeded` (the key's max_queued); see Retry-After",
     502: "the job failed on the worker (its error code: `worker_lost`, `generation_failed`, ...)",
@@ -84,6 +85,7 @@ class SSE:
 @dataclass(frozen=True)
 class Doc:
     body: type[BaseModel] | None = None
+    form: type[BaseModel] | None = None  # a multipart/form-data body (a file upload)
     status: int = 200
     response: type[BaseModel] | dict | None = None  # a model, or a JSON Schema of its own
     description: str = ""
@@ -159,7 +161,7 @@ def build(app: Flask) -> dict:
         meta: Doc | None = getattr(fn, "__openapi__", None)
         views.append((rule, fn, meta))
         if meta is not None:
-            models.update(m for m in (meta.body, meta.response) if isinstance(m, type))
+            models.update(m for m in (meta.body, meta.form, meta.response) if isinstance(m, type))
 
     # One schema per model, shared definitions hoisted into components.
     keyed = [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)]
@@ -198,6 +200,9 @@ def build(app: Flask) -> dict:
                 ]  # fmt: skip
                 if meta.body is not None:
                     op["requestBody"] = {"required": True, "content": _json(ref[meta.body])}
+                elif meta.form is not None:
+                    form = {"multipart/form-data": {"schema": {"$ref": ref[meta.form]}}}
+                    op["requestBody"] = {"required": True, "content": form}
                 responses = _responses(meta, summary.strip(), ref, error)
             if protected and not open_path:
                 responses["401"] = {**error, "description": ERRORS[401]}

@@ -1,9 +1,9 @@
-"""OpenAI's Files and Batches endpoints (see webapp/batches.py for how a batch runs):
+"""OpenAI's Files and Batches endpoints (webapp/batches/; how a batch runs: docs/design.md):
 
 - `POST /v1/files` (multipart: `purpose=batch`, `file`), `GET /v1/files/{id}`,
   `GET /v1/files/{id}/content` (streamed), `DELETE /v1/files/{id}`;
-- `POST /v1/batches` (`input_file_id`, `endpoint` `/v1/completions`, `completion_window` `24h`,
-  `metadata`), `GET /v1/batches/{id}`, `GET /v1/batches` (`after`, `limit`),
+- `POST /v1/batches` (`input_file_id`, `endpoint` `/v1/completions` or `/v1/chat/completions`,
+  `completion_window` `24h`, `metadata`), `GET /v1/batches/{id}`, `GET /v1/batches` (`after`, `limit`),
   `POST /v1/batches/{id}/cancel`.
 
 With API keys, files and batches belong to the key that made them: to any other, a 404.
@@ -15,18 +15,17 @@ from flask import Blueprint, current_app, jsonify, request, stream_with_context
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from webapp import auth, ids
-from webapp.batches import EXTENSION, BatchRequest, LineError, public_batch, public_file
+from webapp.batches import current_batches
+from webapp.batches.files import LineError
+from webapp.batches.models import Batch, BatchList, BatchRequest, File, FileDeleted, FileUpload
 from webapp.errors import APIError
+from webapp.openapi import Param, doc
 from webapp.routes._body import parse
 
 bp = Blueprint("batches", __name__, url_prefix="/v1")
 
 # Room for the multipart envelope around the file itself.
 MULTIPART_SLACK = 64 * 1024
-
-
-def _batches():
-    return current_app.extensions[EXTENSION]
 
 
 def _owner() -> str:
@@ -41,7 +40,9 @@ def _line_error(exc: LineError):
 
 
 @bp.post("/files")
+@doc(form=FileUpload, response=File, errors=(400, 413, 503))
 def create_file():
+    """Upload a batch's input file (JSONL); each line is checked, the first bad one named."""
     settings = current_app.config["GENQ"]
     limit = settings.max_file_bytes
     request.max_content_length = limit + MULTIPART_SLACK
@@ -56,17 +57,21 @@ def create_file():
         raise APIError(400, "invalid_request", "purpose: must be 'batch'", param="purpose")
     if upload is None:
         raise APIError(400, "invalid_request", "file: required (a multipart file field)", param="file")
-    return _batches().files.create(upload.stream, upload.filename or "", _owner())
+    return current_batches().files.create(upload.stream, upload.filename or "", _owner()).model_dump(mode="json")
 
 
 @bp.get("/files/<file_id>")
+@doc(response=File, errors=(404, 503))
 def get_file(file_id: str):
-    return public_file(_batches().files.meta(file_id, _owner()))
+    """A file's metadata."""
+    return File.from_record(current_batches().files.meta(file_id, _owner())).model_dump(mode="json")
 
 
 @bp.get("/files/<file_id>/content")
+@doc(media_type="application/octet-stream", errors=(404, 503))
 def file_content(file_id: str):
-    files = _batches().files
+    """A file's content (JSONL), streamed."""
+    files = current_batches().files
     files.meta(file_id, _owner())
     return current_app.response_class(
         stream_with_context(files.chunks(file_id)), mimetype="application/octet-stream"
@@ -74,23 +79,38 @@ def file_content(file_id: str):
 
 
 @bp.delete("/files/<file_id>")
+@doc(response=FileDeleted, errors=(404, 503))
 def delete_file(file_id: str):
-    return _batches().files.delete(file_id, _owner())
+    """Delete a file."""
+    return current_batches().files.delete(file_id, _owner()).model_dump(mode="json")
 
 
 @bp.post("/batches")
+@doc(body=BatchRequest, response=Batch, errors=(404, 503))
 def create_batch():
+    """Start a batch of the requests of an uploaded file."""
     req = parse(BatchRequest)
-    return _batches().store.create(req, auth.current_owner())
+    return current_batches().store.create(req, auth.current_owner()).model_dump(mode="json")
 
 
 @bp.get("/batches/<batch_id>")
+@doc(response=Batch, errors=(404, 503))
 def get_batch(batch_id: str):
-    return public_batch(_batches().store.get(batch_id, _owner()))
+    """A batch: its status, counts, usage and, once it ended, its output and error files."""
+    return Batch.from_record(current_batches().store.get(batch_id, _owner())).model_dump(mode="json")
 
 
 @bp.get("/batches")
+@doc(
+    response=BatchList,
+    errors=(400, 404, 503),
+    params=(
+        Param("limit", "query", {"type": "integer", "minimum": 1, "maximum": 100}, "how many (20 by default)"),
+        Param("after", "query", {"type": "string"}, "the batches older than this one (a batch id)"),
+    ),
+)
 def list_batches():
+    """The caller's batches, newest first."""
     raw = request.args.get("limit", "20")
     # ASCII digits only: str.isdigit() takes '²' and '٣' too (int() fails on one, reads the other).
     if not (raw.isascii() and raw.isdigit() and len(raw) <= 3) or not 1 <= int(raw) <= 100:
@@ -98,9 +118,11 @@ def list_batches():
     after = request.args.get("after") or None
     if after is not None:
         ids.check("batch", after, param="after")
-    return _batches().store.list(_owner(), after, int(raw))
+    return current_batches().store.list(_owner(), after, int(raw)).model_dump(mode="json")
 
 
 @bp.post("/batches/<batch_id>/cancel")
+@doc(response=Batch, errors=(404, 409, 503))
 def cancel_batch(batch_id: str):
-    return _batches().store.cancel(batch_id, _owner())
+    """Cancel a batch: what has not started is not run; it ends once what runs has finished."""
+    return current_batches().store.cancel(batch_id, _owner()).model_dump(mode="json")
