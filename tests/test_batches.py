@@ -448,3 +448,15 @@ def test_batch_lines_take_n_and_logprobs_as_the_completions_route(bstack):
             if g["logprobs"]:
                 assert g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
                 assert g["logprobs"]["token_logprobs"] == pytest.approx(w["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+def test_batch_line_errors_name_the_request_fields_as_the_route(bstack):
+    """A line's error says `max_tokens` (message and param), as /v1/completions says it, not
+    the job's `max_new_tokens`."""
+    body = {"model": bstack.name, "prompt": "the river", "max_tokens": 10**6}
+    client, batch = run_batch(bstack, [line(0, body)])
+    batch = wait_batch(client, batch.id)
+    (err,) = read_lines(client, batch.error_file_id)
+    direct = requests.post(bstack.base + "/v1/completions", json=body, headers=auth(), timeout=60).json()
+    assert err["response"]["body"] == direct
+    assert direct["error"]["param"] == "max_tokens" and "max_new_tokens" not in json.dumps(err)
