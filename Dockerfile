@@ -36,8 +36,9 @@ COPY requirements.txt ./
 RUN set -eux; \
     torch_req="$(grep -iE '^[[:space:]]*torch[[:space:]]*(==|>=|~=|<|$)' requirements.txt | head -n1 | sed -e 's/[[:space:]]*[#;].*$//' -e 's/[[:space:]]//g')"; \
     pip install --index-url https://download.pytorch.org/whl/cpu "${torch_req:-torch}"; \
-    grep -viE '^[[:space:]]*(nvidia-|triton([[:space:]=<>~!;]|$))' requirements.txt > /tmp/requirements-cpu.txt; \
+    grep -viE '^[[:space:]]*(nvidia-|triton([[:space:]=<>~!;]|$)|xgrammar)' requirements.txt > /tmp/requirements-cpu.txt; \
     pip install -r /tmp/requirements-cpu.txt; \
+    pip install --no-deps "$(grep -iE '^[[:space:]]*xgrammar[[:space:]]*==' requirements.txt | sed -e 's/[[:space:]]//g')"; \
     rm -f /tmp/requirements-cpu.txt; \
     python -c "import torch; assert not torch.version.cuda, torch.version.cuda; print('torch', torch.__version__)"
 

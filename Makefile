@@ -17,6 +17,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements-dev.txt
+	$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" || $(BIN)/pip uninstall --yes --quiet triton
 	$(BIN)/pip install --quiet -e .
 	touch $(STAMP)
 

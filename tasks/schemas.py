@@ -10,7 +10,7 @@ import time
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class JobStatus(str, Enum):
@@ -30,7 +30,43 @@ class JobStatus(str, Enum):
 # completions), and the most stop token ids.
 LOGPROBS_MAX = 5
 STOP_TOKEN_IDS_MAX = 16
-SEED_MAX = 2**63 - 1
+# Seeds are any 64-bit signed integer, as vLLM's.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# The most entries of `logit_bias` (OpenAI: 300), `allowed_token_ids` and `bad_words`.
+LOGIT_BIAS_MAX = 300
+ALLOWED_TOKEN_IDS_MAX = 4096
+BAD_WORDS_MAX = 64
+TOKEN_ID_MAX = 2**31 - 1
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on the completion's text (vLLM's StructuredOutputsParams): exactly one of
+    `json_schema` (a JSON Schema, as JSON text), `json_object` (any JSON object), `regex`,
+    `choice` (one of these strings) and `grammar` (EBNF, or Lark). The hf engine masks the logits
+    of the rows that have one with xgrammar (worker/engines/structured.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_schema: str | None = Field(None, description="a JSON Schema, as JSON text")
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=256)
+    grammar: str | None = None
+    disable_any_whitespace: bool = Field(False, description="JSON without whitespace between its tokens")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutput":
+        kinds = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(f"exactly one of json, json_object, regex, choice, grammar is needed, not {kinds or 'none'}")
+        return self
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (a cache key)."""
+        return (self.json_schema, self.json_object, self.regex, tuple(self.choice or ()), self.grammar,
+                self.disable_any_whitespace)
 
 
 class SamplingParams(BaseModel):
@@ -44,7 +80,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
-    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] = Field(default_factory=list, max_length=8)
     ignore_eos: bool = False
     repetition_penalty: float = Field(
@@ -70,6 +106,76 @@ class SamplingParams(BaseModel):
         None, ge=0, le=LOGPROBS_MAX,
         description="return each token's log-probability and those of the n likeliest tokens",
     )  # fmt: skip
+    # vLLM's other sampling and output parameters; each default changes nothing.
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="drop tokens less likely than min_p times the likeliest one (sampling; 0: off)",
+    )  # fmt: skip
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict, max_length=LOGIT_BIAS_MAX,
+        description="token id -> added to its logit, clamped to [-100, 100]",
+    )  # fmt: skip
+    allowed_token_ids: list[int] | None = Field(
+        None, min_length=1, max_length=ALLOWED_TOKEN_IDS_MAX, description="only these tokens may be generated"
+    )
+    bad_words: list[str] = Field(
+        default_factory=list, max_length=BAD_WORDS_MAX, description="words (token sequences) never generated"
+    )
+    structured_outputs: StructuredOutput | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    add_special_tokens: bool | None = Field(
+        None, description="tokenize the prompt with the model's special tokens (None: yes, but not for chat)"
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=TOKEN_ID_MAX, description="keep only the prompt's last k tokens (-1: the model's context)"
+    )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=LOGPROBS_MAX, description="each prompt token's log-probability and the n likeliest there"
+    )
+    return_token_ids: bool = Field(False, description="the result carries the prompt's and the completion's token ids")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, v):
+        # JSON object keys are strings: token ids as decimal text (OpenAI's format).
+        if isinstance(v, dict):
+            try:
+                return {int(k) if isinstance(k, str) else k: b for k, b in v.items()}
+            except ValueError:
+                raise ValueError("keys are token ids (whole numbers)") from None
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_values(cls, v: dict[int, float]) -> dict[int, float]:
+        if any(not 0 <= t <= TOKEN_ID_MAX for t in v):
+            raise ValueError(f"token ids are whole numbers from 0 to {TOKEN_ID_MAX}")
+        if any(b != b or b in (float("inf"), float("-inf")) for b in v.values()):
+            raise ValueError("biases are finite numbers")
+        return v
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(not 0 <= t <= TOKEN_ID_MAX for t in v):
+            raise ValueError(f"token ids are whole numbers from 0 to {TOKEN_ID_MAX}")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: list[str]) -> list[str]:
+        if any(not w.strip() for w in v):
+            raise ValueError("bad words must not be empty")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be at least 1, or -1 (the model's context)")
+        return v
 
     @field_validator("stop", mode="before", json_schema_input_type=str | list[str])
     @classmethod
@@ -103,6 +209,11 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
     @property
+    def masked(self) -> bool:
+        """Whether some token may be banned or biased at some step (the logits processors')."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words or self.structured_outputs)
+
+    @property
     def penalized(self) -> bool:
         """Whether any penalty changes the logits."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
@@ -112,7 +223,8 @@ class SamplingParams(BaseModel):
         request's seed + j), so that seeded choices differ and each can be reproduced."""
         if j == 0 or self.seed is None:
             return self
-        return self.model_copy(update={"seed": (self.seed + j) % (SEED_MAX + 1)})
+        seed = (self.seed + j - SEED_MIN) % 2**64 + SEED_MIN  # wraps around within 64 bits
+        return self.model_copy(update={"seed": seed})
 
 
 # A job's priority: as vLLM's, a lower value is served first. 0 (the default) is the middle, so
@@ -216,6 +328,7 @@ class JobSpec(BaseModel):
     id: str
     model: str
     prompt: str
+    prompt_token_ids: list[int] | None = Field(None, description="the prompt as token ids (then `prompt` is empty)")
     chat: ChatOptions | None = Field(None, description="a chat job: the worker renders its prompt from these")
     params: SamplingParams
     stream: bool = Field(True, description="publish token events (False: nobody can follow them)")
@@ -244,6 +357,14 @@ class Logprobs(BaseModel):
             getattr(self, name).extend(getattr(other, name))
 
 
+class PromptLogprob(BaseModel):
+    """A prompt position's token, as vLLM's `prompt_logprobs` entries."""
+
+    logprob: float
+    rank: int | None = Field(None, description="1: the likeliest token there")
+    decoded_token: str | None = None
+
+
 class GenerationResult(BaseModel):
     text: str = Field(description="the completion, without the prompt")
     finish_reason: Literal["length", "stop", "eos", "cancelled", "timeout"]
@@ -253,6 +374,11 @@ class GenerationResult(BaseModel):
     model: str
     worker: str | None = None
     logprobs: Logprobs | None = Field(None, description="with the job's `logprobs` parameter")
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="with `prompt_logprobs`: per prompt token (None for the first), token id -> its logprob",
+    )
+    prompt_token_ids: list[int] | None = Field(None, description="with `return_token_ids`")
+    token_ids: list[int] | None = Field(None, description="with `return_token_ids`: the completion's")
 
 
 class ErrorBody(BaseModel):

@@ -170,7 +170,7 @@ def test_malformed_files_fail_or_error_per_line(bstack):
         line(0, good),
         line(1, good, url="/v1/chat/completions"),
         line(2, {**good, "max_tokens": 0}),
-        line(3, {**good, "logit_bias": {"1": 5}}),
+        line(3, {**good, "suffix": "!"}),
         line(4, {**good, "frobnicate": True}),
         line(5, {**good, "model": "no-such-model"}),
         "",  # blank lines are skipped
@@ -191,7 +191,7 @@ def test_malformed_files_fail_or_error_per_line(bstack):
         "req-5": (404, "model_not_found"),
     }
     # What the completions route itself says to the same bodies.
-    for body, (status, code) in [({**good, "logit_bias": {"1": 5}}, codes["req-3"]), ({**good, "max_tokens": 0}, codes["req-2"])]:
+    for body, (status, code) in [({**good, "suffix": "!"}, codes["req-3"]), ({**good, "max_tokens": 0}, codes["req-2"])]:
         resp = requests.post(bstack.base + "/v1/completions", json=body, headers=auth(), timeout=60)
         assert (resp.status_code, resp.json()["error"]["code"]) == (status, code)
 

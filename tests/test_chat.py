@@ -109,7 +109,7 @@ def test_n_choices_logprobs_and_the_stream(client, chat_stack):
 
 def test_unimplemented_fields_are_refused_by_name(client, chat_stack):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    for field, value in (("tools", tools), ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 1})):
+    for field, value in (("tools", tools), ("prediction", {"type": "content", "content": "x"}), ("modalities", ["audio"])):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=chat_stack.name, messages=MESSAGES, **{field: value})
         assert info.value.body["param"] == field and info.value.code == "unsupported_parameter"

@@ -159,3 +159,38 @@ def test_chat_on_vllm_is_the_rendered_template_without_a_second_bos(vllm_stack, 
     assert chat.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] == len(ids)
     tokens = vllm_stack.post("/tokenize", json={"messages": messages})
     assert tokens.status_code == 200 and tokens.json()["tokens"] == ids
+
+
+def test_vllm_fields_and_structured_output_reach_vllm(vllm_stack, tiny_model):
+    """The fields of issue 19 go to vLLM's own SamplingParams / StructuredOutputsParams: the
+    same checks as tests/test_vllm_fields.py, answered by vLLM."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+
+    def complete(**body):
+        resp = vllm_stack.post("/v1/completions", json={"model": vllm_stack.name, "max_tokens": 10, "temperature": 0,
+                                                        "prompt": "Hello, my name is", **body})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"]
+
+    (plain,) = complete(return_token_ids=True)
+    ids = plain["prompt_token_ids"]
+    assert ids == tok("Hello, my name is").input_ids and tok.decode(plain["token_ids"]) == plain["text"]
+    assert [c["text"] for c in complete(prompt=[ids, ids[1:]])][0] == plain["text"]
+    assert complete(temperature=1.0, seed=-5, min_p=1.0)[0]["text"] == plain["text"]
+    (forced,) = complete(logit_bias={"77": 100}, return_token_ids=True)
+    assert forced["token_ids"] == [77] * 10
+    (allowed,) = complete(allowed_token_ids=[40, 41], temperature=1.0, seed=1, return_token_ids=True)
+    assert set(allowed["token_ids"]) <= {40, 41}
+    (lp,) = complete(prompt_logprobs=1, max_tokens=1)
+    assert lp["prompt_logprobs"][0] is None and str(ids[1]) in lp["prompt_logprobs"][1]
+    # A JSON schema reaches vLLM too, but vLLM's xgrammar backend allows unbounded whitespace
+    # between JSON tokens (its per-request disable_any_whitespace is not read: the server's
+    # setting is), which a random model fills max_tokens with; the same JSON as a regex here.
+    for seed in (1, 2, 3):
+        (out,) = complete(temperature=1.0, seed=seed, max_tokens=40,
+                          structured_outputs={"regex": r'\{"color": "(red|green)"\}'})
+        assert json.loads(out["text"])["color"] in ("red", "green"), out
+    (out,) = complete(structured_outputs={"choice": ["yes", "no"]})
+    assert out["text"] in ("yes", "no")

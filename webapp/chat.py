@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 
 from tasks.schemas import (
-    LOGPROBS_MAX, PRIORITY_MAX, PRIORITY_MIN, STOP_TOKEN_IDS_MAX, ChatMessage, ChatOptions, SamplingParams,
+    LOGPROBS_MAX, PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN, STOP_TOKEN_IDS_MAX, ChatMessage, ChatOptions, SamplingParams,
     Scheduling,
 )
 from webapp.errors import APIError
-from webapp.protocol import FINISH, N_MAX, StreamOptions, Usage
+from webapp.protocol import FINISH, N_MAX, StreamOptions, Usage, VLLMFields
 
 if TYPE_CHECKING:
     from webapp.completions import Jobs
@@ -28,34 +28,16 @@ NEUTRAL: dict[str, tuple] = {
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
-    "store": (None, False),
     "chat_template": (None,),
     "documents": (None, []),
     "echo": (None, False),
-    "best_of": (None, 1),
     "use_beam_search": (None, False),
-    "min_p": (None, 0.0),
     "length_penalty": (None, 1.0),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True),
-    "add_special_tokens": (None, False),
-    "truncate_prompt_tokens": (None,),
-    "allowed_token_ids": (None, []),
-    "bad_words": (None, []),
-    "prompt_logprobs": (None,),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "return_tokens_as_token_ids": (None, False),
     "logits_processors": (None, []),
     "mm_processor_kwargs": (None, {}),
@@ -118,8 +100,9 @@ class ChatTemplateFields(BaseModel):
         )
 
 
-class ChatCompletionRequest(ChatTemplateFields):
-    """Body of POST /v1/chat/completions. A field sent as null takes its default."""
+class ChatCompletionRequest(ChatTemplateFields, VLLMFields):
+    """Body of POST /v1/chat/completions. A field sent as null takes its default. vLLM's
+    sampling and output fields (`VLLMFields`, `response_format` among them) as completions'."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -129,8 +112,9 @@ class ChatCompletionRequest(ChatTemplateFields):
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int | None = Field(1, ge=1, le=N_MAX, description=f"choices, at most {N_MAX}")
+    best_of: int | None = Field(None, ge=1, le=N_MAX, description="generate this many, return the n of highest cumulative logprob")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="with logprobs")
     stream: bool | None = False
@@ -148,6 +132,7 @@ class ChatCompletionRequest(ChatTemplateFields):
     # Accepted and not used: they do not change what is generated.
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    store: bool | None = None
     request_id: str | None = None
     cache_salt: str | None = None
     # Accepted at their neutral values only (NEUTRAL); anything else is refused.
@@ -155,34 +140,16 @@ class ChatCompletionRequest(ChatTemplateFields):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
-    logit_bias: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    store: Any = None
     chat_template: Any = None
     documents: Any = None
     echo: Any = None
-    best_of: Any = None
     use_beam_search: Any = None
-    min_p: Any = None
     length_penalty: Any = None
-    include_stop_str_in_output: Any = None
-    skip_special_tokens: Any = None
-    spaces_between_special_tokens: Any = None
-    add_special_tokens: Any = None
-    truncate_prompt_tokens: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    prompt_logprobs: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
     mm_processor_kwargs: Any = None
@@ -225,11 +192,17 @@ class ChatCompletionRequest(ChatTemplateFields):
             "min_tokens": self.min_tokens or 0,
             "stop_token_ids": list(self.stop_token_ids or []),
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+            **self.output_params(),
         })
+        n, best_of = self.n or 1, self.best_of
+        if best_of is not None and best_of < n:
+            raise APIError(400, "invalid_request", f"best_of must be at least n ({n})", param="best_of")
+        if (best_of or 1) > n and self.stream:
+            raise APIError(400, "invalid_request", "best_of above n cannot be streamed", param="best_of")
         return Jobs(
             [""], params, Scheduling(priority=self.priority), model=self.model, n=self.n or 1, api="chat",
             stream=bool(self.stream), include_usage=bool(self.stream_options and self.stream_options.include_usage),
-            chat=self.chat_options(),
+            chat=self.chat_options(), best_of=best_of if (best_of or 1) > n else None,
         )
 
 

@@ -32,9 +32,11 @@ class Jobs:
     """What a request asks of the queue: each of `prompts` `n` times (prompt i's j-th is job
     i * n + j, with `params.for_choice(j)`), at `sched`, for `model` (None: the default one)
     or for a worker of `engine`. The rest says how to answer: `api`, `stream`, `echo` (the
-    prompt goes before its completion), `include_usage` (a stream's last chunk)."""
+    prompt goes before its completion), `include_usage` (a stream's last chunk). `best_of`:
+    that many jobs per prompt instead of `n`, of which the answer keeps the `n` of highest
+    cumulative logprob (`best`). A prompt is a text or token ids."""
 
-    prompts: list[str]
+    prompts: list[str | list[int]]
     params: SamplingParams
     sched: Scheduling = field(default_factory=Scheduling)
     model: str | None = None
@@ -45,12 +47,19 @@ class Jobs:
     echo: bool = False
     include_usage: bool = False
     chat: ChatOptions | None = None  # a conversation (the worker renders its prompt)
+    best_of: int | None = None
+
+    @property
+    def per_prompt(self) -> int:
+        """Jobs per prompt."""
+        return self.best_of or self.n
 
     @property
     def texts(self) -> list[str]:
-        """What the deployment's limits on prompts apply to: the prompts, or the messages."""
+        """What the deployment's limits on prompts apply to: the prompts (token ids: none, the
+        worker checks their length), or the messages."""
         if self.chat is None:
-            return self.prompts
+            return [p if isinstance(p, str) else "" for p in self.prompts]
         return ["\n".join(m.content for m in self.chat.messages)]
 
     @classmethod
@@ -84,6 +93,8 @@ class Submitted:
             entry.update(echo=True, prompts=self.jobs.prompts)
         if self.jobs.api == "chat":
             entry.update(api="chat", logprobs=self.jobs.params.logprobs)
+        if self.jobs.best_of:
+            entry.update(best_of=self.jobs.best_of, n=self.jobs.n, logprobs=self.jobs.params.logprobs)
         return entry
 
     @classmethod
@@ -91,6 +102,7 @@ class Submitted:
         jobs = Jobs(
             prompts=entry.get("prompts") or [], params=SamplingParams(logprobs=entry.get("logprobs")),
             n=entry.get("n", 1), echo=bool(entry.get("echo")), api=entry.get("api", "completions"),
+            best_of=entry.get("best_of"),
         )
         return cls(jobs, entry["ids"], entry["model"], int(entry["created"]))
 
@@ -115,7 +127,7 @@ class CompletionService:
         caller answers once they end (a blocking call or a stream), so it fails at once with
         503 when no live worker serves the model instead of hanging."""
         s = self.jobs
-        every = [p for p in req.texts for _ in range(req.n)]
+        every = [p for p in req.texts for _ in range(req.per_prompt)]
         s.validate(every, req.params)
         model = s.model_for_engine(req.engine) if req.engine else s.resolve_model(req.model)
         created = int(time.time())
@@ -126,8 +138,11 @@ class CompletionService:
         if req.chat is not None:
             self.require_chat_template(model)
         params = s.key_limits(every, req.params, owner)
+        if req.best_of and params.logprobs is None:  # `best` ranks them by their tokens' logprobs
+            params = params.model_copy(update={"logprobs": 0})
         ids = s.enqueue(
-            req.prompts, params, model, stream=req.stream, sched=req.sched, owner=owner, n=req.n, chat=req.chat
+            req.prompts, params, model, stream=req.stream, sched=req.sched, owner=owner, n=req.per_prompt,
+            chat=req.chat,
         )
         return Submitted(req, ids, model, created)
 
@@ -144,9 +159,12 @@ class CompletionService:
 
     def body(self, sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
         """The whole answer of a request whose jobs have all succeeded."""
-        if sub.jobs.api == "chat":
-            return chat_body(sub, results)
-        return completion_body(sub, results)
+        picked = best(sub, results) if sub.jobs.best_of else results
+        body = chat_body(sub, picked) if sub.jobs.api == "chat" else completion_body(sub, picked)
+        if picked is not results:  # usage counts every completion generated
+            prompt = sum(r["prompt_tokens"] for r in results[:: sub.jobs.best_of])
+            body["usage"] = protocol.usage(prompt, sum(r["completion_tokens"] for r in results)).model_dump()
+        return body
 
     def answer(self, req: Jobs, owner: ApiKey | None) -> dict[str, Any] | Response:
         """Submit and answer a request at once: its body once the jobs have ended, or its
@@ -162,6 +180,22 @@ class CompletionService:
         return relay.response(self.jobs.events(sub.ids, cancel_on_exit=True))
 
 
+def cumulative_logprob(result: dict[str, Any]) -> float:
+    return sum((result.get("logprobs") or {}).get("token_logprobs") or [])
+
+
+def best(sub: Submitted, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of each prompt's `best_of` results, the `n` of highest cumulative logprob, best first
+    (without the logprobs the request did not ask for)."""
+    jobs = sub.jobs
+    keep = jobs.params.logprobs is not None
+    picked = []
+    for i in range(0, len(results), jobs.best_of):
+        group = sorted(results[i : i + jobs.best_of], key=cumulative_logprob, reverse=True)[: jobs.n]
+        picked += [r if keep else {**r, "logprobs": None} for r in group]
+    return picked
+
+
 # -- /v1/completions ------------------------------------------------------------------------
 
 
@@ -169,7 +203,8 @@ def completion_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, 
     jobs, n = sub.jobs, sub.jobs.n
     choices = [
         protocol.choice(k, (jobs.prompts[k // n] if jobs.echo else "") + r["text"], r["finish_reason"],
-                        r.get("logprobs"))
+                        r.get("logprobs"), prompt_logprobs=r.get("prompt_logprobs"),
+                        prompt_token_ids=r.get("prompt_token_ids"), token_ids=r.get("token_ids"))
         for k, r in enumerate(results)
     ]  # fmt: skip
     total = protocol.usage(sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results))

@@ -1,13 +1,22 @@
 """OpenAI's completions wire format: the request we accept and the bodies we send, as pydantic
 models (the request next to its responses, in the spirit of vLLM's `protocol.py`).
 
-The request takes OpenAI's parameters and vLLM's extensions. Those this server implements are
-passed to the job's SamplingParams; those it does not are accepted at their neutral values
-(which change nothing: clients written for vLLM send many of them that way) and refused with a
-400 naming the parameter otherwise (`refuse_unsupported`)."""
+The request takes OpenAI's parameters and vLLM's extensions (the unknown-field policy):
+
+- those this server implements are passed to the job's SamplingParams (`VLLMFields` holds the
+  vLLM ones that completions and chat share);
+- those that cannot change the output (`user`, `metadata`, `store`, `service_tier`,
+  `request_id`, ...) are accepted and ignored;
+- those that would change it and are not implemented are accepted at their neutral values only
+  (clients written for vLLM send many of them that way) and refused with a 400 naming the
+  parameter otherwise (`refuse_unsupported`);
+- a field in neither OpenAI's schema nor vLLM's is a 400 naming it (`extra="forbid"`).
+
+Errors name the request's fields (`max_tokens`, `structured_outputs.json`), not the job's."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import TYPE_CHECKING, Any, Literal
@@ -15,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tasks.schemas import (
-    LOGPROBS_MAX, PRIORITY_MAX, PRIORITY_MIN, STOP_TOKEN_IDS_MAX, Logprobs, SamplingParams, Scheduling,
+    LOGPROBS_MAX, PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN, STOP_TOKEN_IDS_MAX, TOKEN_ID_MAX, Logprobs,
+    PromptLogprob, SamplingParams, Scheduling,
 )
 from webapp.errors import APIError
 
@@ -34,31 +44,14 @@ DEFAULT_MAX_TOKENS = 16
 REQUEST_FIELDS = {"max_new_tokens": "max_tokens"}
 
 # Parameters accepted only at a value that changes nothing, with those values. OpenAI's
-# `logit_bias` and `suffix`, and vLLM's extensions this server does not implement.
+# `suffix`, and vLLM's extensions this server does not implement.
 NEUTRAL: dict[str, tuple] = {
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "use_beam_search": (False,),
-    "min_p": (None, 0.0),
     "length_penalty": (None, 1.0),
-    "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "add_special_tokens": (True,),
-    "truncate_prompt_tokens": (None,),
-    "allowed_token_ids": (None, []),
-    "bad_words": (None, []),
-    "prompt_logprobs": (None,),
     "logprob_token_ids": (None,),
     "prompt_embeds": (None,),
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
     "watermarking": (None, False),
     "logits_processors": (None, []),
     "vllm_xargs": (None, {}),
@@ -78,30 +71,180 @@ def named_as_requested(exc: APIError) -> APIError:
     return APIError(exc.status, exc.code, message, exc.headers, param)
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's (vLLM's) named JSON Schema."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON Schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsIn(BaseModel):
+    """vLLM's `structured_outputs` (StructuredOutputsParams), as a request sends it."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    # Accepted at their neutral values only.
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+
+class VLLMFields(BaseModel):
+    """vLLM's sampling and output parameters that completions and chat share, all implemented:
+    `output_params()` is their part of the job's SamplingParams. A field sent as null takes its
+    default."""
+
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as text) -> bias, clamped to ±100")
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=TOKEN_ID_MAX)
+    prompt_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX)
+    return_token_ids: bool | None = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
+    # vLLM's former names of structured_outputs' fields.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> dict | None:
+        """The job's StructuredOutput (as a dict), from `response_format`, `structured_outputs`
+        or the `guided_*` fields (response_format overrides, as in vLLM); 400 naming the field
+        for what is not valid."""
+        so = self.structured_outputs
+        out: dict[str, Any] = {}
+        name = "structured_outputs"
+        if so is not None:
+            for field in ("disable_additional_properties", "whitespace_pattern", "structural_tag"):
+                if getattr(so, field) not in (None, False):
+                    raise APIError(400, "unsupported_parameter", f"{name}.{field} is not supported",
+                                   param=f"{name}.{field}")
+            kinds = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                     "json_object": so.json_object or None}
+            out = {k: v for k, v in kinds.items() if v is not None}
+            if so.disable_any_whitespace:
+                out["disable_any_whitespace"] = True
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        if any(v is not None for v in guided.values()):
+            name = next(f"guided_{k}" for k, v in guided.items() if v is not None)
+            out.update({k: v for k, v in guided.items() if v is not None})
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            name = "response_format"
+            for k in ("json", "regex", "choice", "grammar", "json_object"):
+                out.pop(k, None)
+            if rf.type == "json_object":
+                out["json_object"] = True
+            elif rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise APIError(400, "invalid_request", "response_format: json_schema.schema is needed",
+                               param="response_format")
+            else:
+                out["json"] = rf.json_schema.json_schema
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if k in out]
+        if not kinds:
+            if so is not None:
+                raise APIError(400, "invalid_request", f"{name}: one of json, regex, choice, grammar, json_object "
+                               "is needed", param=name)
+            return None
+        if len(kinds) > 1:
+            raise APIError(400, "invalid_request", f"{name}: only one kind of constraint may be given, not "
+                           f"{' and '.join(kinds)}", param=name)
+        if "json" in out:
+            schema = out.pop("json")
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError:
+                    raise APIError(400, "invalid_request", f"{name}: the JSON schema is not JSON",
+                                   param=name) from None
+            if not isinstance(schema, (dict, bool)):
+                raise APIError(400, "invalid_request", f"{name}: a JSON schema is an object", param=name)
+            out["json_schema"] = json.dumps(schema, sort_keys=True)
+        if "regex" in out:
+            try:
+                re.compile(out["regex"])
+            except re.error as exc:
+                raise APIError(400, "invalid_request", f"{name}: not a regular expression ({exc})",
+                               param=name) from None
+        if "choice" in out and (not out["choice"] or len(out["choice"]) > 256):
+            raise APIError(400, "invalid_request", f"{name}: 1 to 256 choices", param=name)
+        return out
+
+    def output_params(self) -> dict:
+        """These fields as the job's SamplingParams fields."""
+        bias: dict[int, float] = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                bias[int(k)] = v
+            except ValueError:
+                raise APIError(400, "invalid_request", f"logit_bias: {k!r} is not a token id",
+                               param="logit_bias") from None
+        return {
+            "min_p": self.min_p or 0.0,
+            "logit_bias": bias,
+            "allowed_token_ids": self.allowed_token_ids or None,
+            "bad_words": list(self.bad_words or []),
+            "structured_outputs": self.structured(),
+            "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+            "skip_special_tokens": self.skip_special_tokens is not False,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens is not False,
+            "add_special_tokens": self.add_special_tokens,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "prompt_logprobs": self.prompt_logprobs,
+            "return_token_ids": bool(self.return_token_ids),
+        }
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="vLLM's; accepted, not used")
 
 
-class CompletionRequest(BaseModel):
-    """Body of POST /v1/completions. A field sent as null takes its default."""
+class CompletionRequest(VLLMFields):
+    """Body of POST /v1/completions. A field sent as null takes its default. `prompt`: text,
+    several texts, token ids (`[10, 20, 30]`) or several prompts of token ids."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
     max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     echo: bool | None = False
     n: int | None = Field(1, ge=1, le=N_MAX, description=f"completions per prompt, at most {N_MAX}")
-    best_of: int | None = Field(None, description="only null or equal to n")
+    best_of: int | None = Field(
+        None, ge=1, le=N_MAX, description="generate this many per prompt, return the n of highest cumulative logprob"
+    )
     logprobs: int | None = Field(
         None, ge=0, le=LOGPROBS_MAX,
         description="per token, the log-probabilities of the chosen and the n likeliest tokens",
@@ -116,35 +259,21 @@ class CompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=STOP_TOKEN_IDS_MAX)
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True, description="lower is served first")
     # Accepted and not used: they do not change what is generated.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     request_id: str | None = None
     session_id: str | None = None
     cache_salt: str | None = None
     stream_interval: int | None = Field(None, ge=1)
     truncation_side: Literal["left", "right"] | None = None
     # Accepted at their neutral values only (NEUTRAL); anything else is refused.
-    logit_bias: dict[str, float] | None = None
     suffix: str | None = None
     use_beam_search: bool = False
-    min_p: float | None = None
     length_penalty: float | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    add_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
     prompt_embeds: Any = None
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
     return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
     watermarking: bool | None = None
     logits_processors: list[Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
@@ -155,11 +284,13 @@ class CompletionRequest(BaseModel):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v):
-        prompts = [v] if isinstance(v, str) else v
+        prompts = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
         if not prompts:
             raise ValueError("at least one prompt is needed")
-        if any(p == "" for p in prompts):
+        if any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must not be empty")
+        if any(not 0 <= t <= TOKEN_ID_MAX for p in prompts if isinstance(p, list) for t in p):
+            raise ValueError(f"token ids are whole numbers from 0 to {TOKEN_ID_MAX}")
         return v
 
     @field_validator("min_tokens")
@@ -173,8 +304,10 @@ class CompletionRequest(BaseModel):
         return v
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else p
 
     @property
     def choices(self) -> int:
@@ -187,7 +320,7 @@ class CompletionRequest(BaseModel):
         choices per prompt and log-probabilities (otherwise they too are taken only at their
         neutral values)."""
         unsupported = [name for name, neutral in NEUTRAL.items() if getattr(self, name) not in neutral]
-        if self.best_of not in (None, 1, self.choices):
+        if self.best_of not in (None, 1, self.choices) and not n:
             unsupported.append("best_of")
         if self.choices != 1 and not n:
             unsupported.append("n")
@@ -203,6 +336,13 @@ class CompletionRequest(BaseModel):
                 "logprobs with echo is not supported (it would need the prompt's log-probabilities)",
                 param="logprobs",
             )  # fmt: skip
+        if self.best_of is not None and self.best_of < self.choices:
+            raise APIError(400, "invalid_request", f"best_of must be at least n ({self.choices})", param="best_of")
+        if (self.best_of or 1) > self.choices and self.stream:
+            raise APIError(400, "invalid_request", "best_of above n cannot be streamed", param="best_of")
+        if self.echo and any(not isinstance(p, str) for p in self.prompts):
+            raise APIError(400, "unsupported_parameter", "echo with a prompt of token ids is not supported",
+                           param="echo")
 
     def to_jobs(self) -> "Jobs":
         """The request's jobs: each prompt `n` times, with its SamplingParams (400 for a
@@ -214,6 +354,7 @@ class CompletionRequest(BaseModel):
             self.prompts, SamplingParams.model_validate(self.sampling()), Scheduling(priority=self.priority),
             model=self.model, n=self.choices, stream=bool(self.stream), echo=bool(self.echo),
             include_usage=bool(self.stream_options and self.stream_options.include_usage),
+            best_of=self.best_of if (self.best_of or 1) > self.choices else None,
         )  # fmt: skip
 
     def sampling(self) -> dict:
@@ -233,6 +374,7 @@ class CompletionRequest(BaseModel):
             "min_tokens": self.min_tokens or 0,
             "stop_token_ids": list(self.stop_token_ids or []),
             "logprobs": self.logprobs,
+            **self.output_params(),
         }
 
 
@@ -241,6 +383,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Logprobs | None = Field(None, description="with the request's `logprobs`")
     finish_reason: Literal["stop", "length"] | None = Field(None, description="null until the choice has ended")
+    # vLLM's, each only with the request's field of that name (left out otherwise).
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class Usage(BaseModel):
@@ -282,16 +428,29 @@ def completion(
     """A completion's body: the whole answer (with `usage`), or a stream chunk (without)."""
     fields = dict(id=cmpl_id, created=created or int(time.time()), model=model, choices=choices)
     if usage is not None:
-        return CompletionResponse(**fields, usage=usage).model_dump(mode="json")
-    return CompletionStreamResponse(**fields).model_dump(mode="json", exclude={"usage"})
+        body = CompletionResponse(**fields, usage=usage).model_dump(mode="json")
+    else:
+        body = CompletionStreamResponse(**fields).model_dump(mode="json", exclude={"usage"})
+    for c in body["choices"]:  # vLLM's fields only where asked for
+        for name in VLLM_CHOICE_FIELDS:
+            if c.get(name) is None:
+                c.pop(name, None)
+    return body
 
 
-def choice(index: int, text: str, finish_reason: str | None, logprobs: Logprobs | dict | None = None) -> CompletionChoice:
+VLLM_CHOICE_FIELDS = ("prompt_logprobs", "prompt_token_ids", "token_ids")
+
+
+def choice(
+    index: int, text: str, finish_reason: str | None, logprobs: Logprobs | dict | None = None, **vllm: Any
+) -> CompletionChoice:
+    """`vllm`: VLLM_CHOICE_FIELDS (None: left out)."""
     return CompletionChoice(
         index=index,
         text=text,
         logprobs=logprobs,
         finish_reason=FINISH.get(finish_reason, "stop") if finish_reason else None,
+        **vllm,
     )
 
 

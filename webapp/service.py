@@ -10,6 +10,7 @@ import logging
 import select
 import socket
 import threading
+import re
 import time
 import uuid
 from typing import Any, Callable, Iterable, Iterator
@@ -40,6 +41,10 @@ DISCONNECT_CHECK_S = 1.0
 
 class ClientGone(Exception):
     """The client of a blocking call closed its connection."""
+
+
+# The request fields a worker's invalid_request message may begin with ("field: why").
+JOB_ERROR_FIELD = re.compile(r"(prompt|logit_bias|allowed_token_ids|bad_words|structured_outputs(?:\.\w+)?): ")
 
 
 def client_gone(environ: dict | None) -> Callable[[], bool] | None:
@@ -210,7 +215,7 @@ class JobService:
 
     def enqueue(
         self,
-        prompts: list[str],
+        prompts: list[str | list[int]],
         params: SamplingParams,
         model: str,
         stream: bool = True,
@@ -232,7 +237,8 @@ class JobService:
         sched = sched or Scheduling()
         deadline = sched.deadline_from(time.time())
         specs = [
-            JobSpec(id=str(uuid.uuid4()), model=model, prompt=p, chat=chat, params=params.for_choice(k % n), stream=stream,
+            JobSpec(id=str(uuid.uuid4()), model=model, prompt=p if isinstance(p, str) else "",
+                    prompt_token_ids=None if isinstance(p, str) else p, chat=chat, params=params.for_choice(k % n), stream=stream,
                     priority=sched.priority, deadline=deadline, owner=owner.name if owner else None)
             for k, p in enumerate(prompts)
         ]
@@ -337,7 +343,9 @@ class JobService:
                 504, "timeout", f"job {job_id} is still {status}; poll GET /v1/jobs/{job_id}"
             )
         error = body.get("error") or {"code": status, "message": f"job {status}"}
-        raise APIError(job_error_status(error["code"]), error["code"], error["message"])
+        # A worker's check of the request (worker/engines/logits.py: check) names its field first.
+        field = JOB_ERROR_FIELD.match(error["message"]) if error["code"] == "invalid_request" else None
+        raise APIError(job_error_status(error["code"]), error["code"], error["message"], param=field and field[1])
 
     def events(
         self, job_ids: list[str], after: dict[str, str | int] | None = None, cancel_on_exit: bool = False

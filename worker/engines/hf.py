@@ -36,6 +36,7 @@ from worker.engines import arch, packed
 from worker.engines.base import Engine, GenerationError, Sink
 from worker.engines.dtype import resolve as resolve_dtype
 from worker.engines.kvcache import SlotKV
+from worker.engines.logits import check
 from worker.engines.output import OutputProcessor
 from worker.engines.runner import ModelRunner
 from worker.engines.scheduler import Scheduler, Seq
@@ -99,7 +100,7 @@ class HFEngine(Engine):
 
         self.scheduler = Scheduler(self.capacity, settings.background_step_every)
         kv = SlotKV.for_model(cfg, self.lm.dtype, self.capacity, device)
-        self.runner = ModelRunner(self.lm, kv, device, pad, self.eos)
+        self.runner = ModelRunner(self.lm, kv, device, pad, self.eos, tok=self.tok)
         self.output = OutputProcessor(self.tok, self.eos, self.model, self.max_model_len)
         self._closed = threading.Event()
         # The linears are packed on the thread that will run them (`_start`); the engine is
@@ -132,7 +133,7 @@ class HFEngine(Engine):
     def submit(self, spec: JobSpec) -> Future[GenerationResult]:
         if self._closed.is_set():
             raise GenerationError("engine_closed", "the engine is shutting down")
-        ids = self.tok(spec.prompt, add_special_tokens=spec.chat is None).input_ids  # chat: in the template
+        ids = self._prompt_ids(spec)
         max_new = spec.params.max_new_tokens or self.default_max_new
         if self.max_model_len and len(ids) + max_new > self.max_model_len:
             raise GenerationError(
@@ -153,6 +154,30 @@ class HFEngine(Engine):
                 seq.generator.manual_seed(spec.params.seed)
         self.scheduler.submit(seq)
         return seq.future
+
+    def _prompt_ids(self, spec: JobSpec) -> list[int]:
+        """The job's prompt as token ids: as it came (token ids), or tokenized (with the model's
+        special tokens unless `add_special_tokens` is false or it is a chat prompt, whose
+        template has them); its last `truncate_prompt_tokens` only. GenerationError
+        invalid_request for what this model cannot take (worker/engines/logits.py: `check`)."""
+        p, vocab = spec.params, self.runner.vocab
+        if spec.prompt_token_ids is not None:
+            ids = list(spec.prompt_token_ids)
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise GenerationError("invalid_request", f"prompt: token id {bad[0]} is out of the vocabulary "
+                                      f"(0 to {vocab - 1})")
+        else:
+            add = p.add_special_tokens if p.add_special_tokens is not None else spec.chat is None
+            ids = self.tok(spec.prompt, add_special_tokens=add).input_ids
+        if p.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if p.truncate_prompt_tokens == -1 else p.truncate_prompt_tokens
+            ids = ids[-keep:] if keep else ids
+        try:
+            check(p, self.tok, vocab)
+        except ValueError as exc:
+            raise GenerationError("invalid_request", str(exc)) from None
+        return ids
 
     def cancel(self, job_id: str) -> None:
         self.scheduler.cancel(job_id)

@@ -1,5 +1,7 @@
 """vLLM's logits processing for the hf engine's batched step, as tensor operations over the whole
-batch: repetition, presence and frequency penalties, `min_tokens`, and log-probabilities.
+batch: repetition, presence and frequency penalties, `min_tokens`, `logit_bias`,
+`allowed_token_ids`, `bad_words`, structured output (grammar bitmasks, worker/engines/
+structured.py), `min_p` (in `sample`), and log-probabilities.
 
 `RowProcessors` keeps one row per sequence of the running batch (per-row parameters, and the
 token counts the penalties need), in step with the batch as rows join and leave. It exists
@@ -15,6 +17,15 @@ The rules are vLLM's (and, where it has one, Hugging Face's processor of the sam
   `count` the times the token occurs in the output so far (the prompt does not count).
 - `min_tokens` m: EOS (unless `ignore_eos`) and the row's `stop_token_ids` get -inf while the
   row has fewer than m tokens (transformers' MinNewTokensLengthLogitsProcessor).
+- `logit_bias`: added to the token's logit, clamped to [-100, 100] (OpenAI's range, vLLM's).
+- `allowed_token_ids`: every other token gets -inf.
+- `bad_words`: each word tokenized alone and after a space (`bad_word_ids`); a word of one token
+  gets -inf always, a longer one's last token gets -inf when the output so far ends with the
+  rest of it (so its token sequence never appears in the output).
+- `structured_outputs`: the row's grammar matcher fills its bitmask of allowed tokens, applied
+  to the constrained rows only (xgrammar's kernel), and accepts each token chosen.
+- `min_p` (in `sample`, after temperature, before top-k/top-p, as vLLM's sampler): tokens less
+  likely than min_p times the likeliest are dropped.
 
 Log-probabilities are those of the raw logits (log-softmax before any of the above, and before
 temperature), as vLLM reports them by default.
@@ -23,7 +34,7 @@ temperature), as vLLM reports them by default.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -33,8 +44,45 @@ from tasks.schemas import SamplingParams
 LOGPROB_FLOOR = -9999.0
 
 
+# The bias OpenAI and vLLM allow (and clamp to).
+BIAS_MAX = 100.0
+
+
 def needs_processing(p: SamplingParams) -> bool:
-    return p.penalized or p.min_tokens > 0
+    return p.penalized or p.min_tokens > 0 or p.masked
+
+
+def check(p: SamplingParams, tokenizer: Any, vocab: int) -> None:
+    """ValueError, naming the request's field, for what the job asks that this model cannot do:
+    token ids outside its vocabulary, a bad word that is no token, a constraint that does not
+    compile (compiled here once, so that admitting the job later finds it compiled)."""
+    for name, ids in (("logit_bias", p.logit_bias), ("allowed_token_ids", p.allowed_token_ids or ())):
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} is out of the vocabulary (0 to {vocab - 1})")
+    if p.bad_words:
+        bad_word_ids(tokenizer, p.bad_words)
+    if p.structured_outputs is not None:
+        from worker.engines.structured import grammars_for
+
+        grammars_for(tokenizer, vocab).compile(p.structured_outputs)
+
+
+def bad_word_ids(tokenizer: Any, words: Sequence[str]) -> list[tuple[int, ...]]:
+    """Each bad word's token sequences: alone, and after a space where that tokenizes to a
+    different first token (vLLM's SamplingParams.update_from_tokenizer, which takes the spaced
+    one only if it has as many tokens: here " word" is banned too when it is one token and
+    "word" two)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise ValueError(f"bad_words: {word!r} is no token")
+        out.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0]:
+            out.append(spaced)
+    return out
 
 
 @dataclass
@@ -47,6 +95,14 @@ class RowProcessors:
     seen: torch.Tensor | None = None  # [B, V] bool: in the prompt or the output (repetition)
     counts: torch.Tensor | None = None  # [B, V] float: times in the output (presence, frequency)
     stops: torch.Tensor | None = None  # [B, V] bool: what min_tokens holds back
+    bias: torch.Tensor | None = None  # [B, V] float: logit_bias (0: none)
+    banned: torch.Tensor | None = None  # [B, V] bool: outside allowed_token_ids, one-token bad words
+    # Per row (None: none): bad words of several tokens (prefix, last), and the row's output so far.
+    bad_seqs: list[list[tuple[tuple[int, ...], int]] | None] | None = None
+    history: list[list[int] | None] | None = None
+    # Per row: its grammar matcher (None: unconstrained), and the Grammars that made them.
+    matchers: list[Any] | None = None
+    grammars: Any = None
 
     # -- building ------------------------------------------------------------------------
 
@@ -59,12 +115,14 @@ class RowProcessors:
         eos: int | None,
         vocab: int,
         outputs: Sequence[list[int]] | None = None,
+        tokenizer: Any = None,
     ) -> "RowProcessors | None":
         """Rows for newly admitted sequences; None if none of them needs any processing.
         `prompts`: the tokens each row's prefill fed (for a repetition penalty); `outputs`: the
         tokens each row generated already (a preempted row taken up again: its prompts include
         them), for the presence and frequency penalties and min_tokens. `min_tokens`: each
-        row's, already capped at its max_new."""
+        row's, already capped at its max_new. `tokenizer`: for `bad_words` and structured output
+        (the engine has checked them with `check`)."""
         if not any(needs_processing(p) for p in params):
             return None
         rows = len(params)
@@ -96,7 +154,43 @@ class RowProcessors:
                         ids.append(eos)
                     if ids:
                         procs.stops[row, torch.tensor(ids)] = True
+        if any(p.masked for p in params):
+            procs._build_masks(params, vocab, outputs or [[] for _ in params], tokenizer)
         return procs
+
+    def _build_masks(self, params: Sequence[SamplingParams], vocab: int, outputs, tokenizer) -> None:
+        rows = len(params)
+        if any(p.logit_bias for p in params):
+            self.bias = torch.zeros(rows, vocab, dtype=torch.float32)
+            for row, p in enumerate(params):
+                if p.logit_bias:
+                    ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
+                    values = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < vocab])
+                    self.bias[row, ids] = values.clamp(-BIAS_MAX, BIAS_MAX)
+        seqs: list = [None] * rows
+        for row, p in enumerate(params):
+            if p.allowed_token_ids is not None or p.bad_words:
+                if self.banned is None:
+                    self.banned = torch.zeros(rows, vocab, dtype=torch.bool)
+                if p.allowed_token_ids is not None:
+                    self.banned[row] = True
+                    self.banned[row, torch.tensor([t for t in p.allowed_token_ids if t < vocab])] = False
+                for word in bad_word_ids(tokenizer, p.bad_words) if p.bad_words else ():
+                    if len(word) == 1:
+                        self.banned[row, word[0]] = True
+                    else:
+                        seqs[row] = (seqs[row] or []) + [(word[:-1], word[-1])]
+        if any(seqs):
+            self.bad_seqs = seqs
+            self.history = [list(o) if s else None for s, o in zip(seqs, outputs)]
+        if any(p.structured_outputs is not None for p in params):
+            from worker.engines.structured import grammars_for
+
+            self.grammars = grammars_for(tokenizer, vocab)
+            self.matchers = [
+                self.grammars.matcher(p.structured_outputs, out) if p.structured_outputs is not None else None
+                for p, out in zip(params, outputs)
+            ]
 
     @classmethod
     def neutral(cls, rows: int) -> "RowProcessors":
@@ -126,6 +220,11 @@ class RowProcessors:
             b = b if b is not None else torch.zeros(n_new, vocab, dtype=dtype)
             return torch.cat([a, b])
 
+        def rows(a: list | None, b: list | None) -> list | None:
+            if a is None and b is None:
+                return None
+            return (a if a is not None else [None] * n_old) + (b if b is not None else [None] * n_new)
+
         return RowProcessors(
             rep=torch.cat([old.rep, new.rep]),
             pres=torch.cat([old.pres, new.pres]),
@@ -135,6 +234,12 @@ class RowProcessors:
             seen=cat(old.seen, new.seen, torch.bool),
             counts=cat(old.counts, new.counts, torch.float32),
             stops=cat(old.stops, new.stops, torch.bool),
+            bias=cat(old.bias, new.bias, torch.float32),
+            banned=cat(old.banned, new.banned, torch.bool),
+            bad_seqs=rows(old.bad_seqs, new.bad_seqs),
+            history=rows(old.history, new.history),
+            matchers=rows(old.matchers, new.matchers),
+            grammars=old.grammars or new.grammars,
         )
 
     def select(self, idx: torch.Tensor) -> "RowProcessors | None":
@@ -143,10 +248,19 @@ class RowProcessors:
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.index_select(0, idx)
 
+        order = idx.tolist()
+
+        def rows(a: list | None) -> list | None:
+            picked = None if a is None else [a[i] for i in order]
+            return picked if picked and any(x is not None for x in picked) else None
+
         out = RowProcessors(
             rep=pick(self.rep), pres=pick(self.pres), freq=pick(self.freq),
             min_tokens=pick(self.min_tokens), produced=pick(self.produced),
             seen=pick(self.seen), counts=pick(self.counts), stops=pick(self.stops),
+            bias=pick(self.bias), banned=pick(self.banned),
+            bad_seqs=rows(self.bad_seqs), history=rows(self.history), matchers=rows(self.matchers),
+            grammars=self.grammars,
         )  # fmt: skip
         if not out._repeats():
             out.seen = None
@@ -154,20 +268,31 @@ class RowProcessors:
             out.counts = None
         if not out._holds_back():
             out.stops = None
-        if out.seen is None and out.counts is None and out.stops is None:
+        if out.bias is not None and not bool(out.bias.any()):
+            out.bias = None
+        if out.banned is not None and not bool(out.banned.any()):
+            out.banned = None
+        if out.bad_seqs is None:
+            out.history = None
+        if all(
+            t is None
+            for t in (out.seen, out.counts, out.stops, out.bias, out.banned, out.bad_seqs, out.matchers)
+        ):
             return None
         return out
 
     def head(self, rows: int) -> "RowProcessors":
         """The first `rows` rows, as views: `update` on it counts into this one."""
 
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        def pick(t):  # tensors as views; lists of the same (mutable) per-row objects
             return None if t is None else t[:rows]
 
         return RowProcessors(
             rep=pick(self.rep), pres=pick(self.pres), freq=pick(self.freq),
             min_tokens=pick(self.min_tokens), produced=pick(self.produced),
             seen=pick(self.seen), counts=pick(self.counts), stops=pick(self.stops),
+            bias=pick(self.bias), banned=pick(self.banned), bad_seqs=pick(self.bad_seqs),
+            history=pick(self.history), matchers=pick(self.matchers), grammars=self.grammars,
         )  # fmt: skip
 
     def _repeats(self) -> bool:
@@ -183,7 +308,14 @@ class RowProcessors:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The processed logits (float32, a new tensor; `logits` is left as it is)."""
+        raw = logits
         logits = logits.float()
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.banned is not None:
+            logits = logits.masked_fill(self.banned, float("-inf"))
+        if self.bad_seqs is not None:
+            logits = self._ban_sequences(logits)
         if self.seen is not None:
             penalized = torch.where(logits < 0, logits * self.rep, logits / self.rep)
             logits = torch.where(self.seen, penalized, logits)
@@ -192,7 +324,28 @@ class RowProcessors:
         if self.stops is not None:
             under = self.produced < self.min_tokens
             logits = logits.masked_fill(self.stops & under.unsqueeze(1), float("-inf"))
+        if self.matchers is not None:
+            rows = [i for i, m in enumerate(self.matchers) if m is not None and not m.is_terminated()]
+            if rows:
+                if logits is raw:  # the kernel writes in place; the raw logits stay as they are
+                    logits = logits.clone()
+                bitmask = self.grammars.bitmask(len(self.matchers))
+                for i in rows:
+                    self.matchers[i].fill_next_token_bitmask(bitmask, i)
+                self.grammars.apply(logits, bitmask, rows)
         return logits
+
+    def _ban_sequences(self, logits: torch.Tensor) -> torch.Tensor:
+        """-inf for the last token of each bad word whose other tokens end the row's output."""
+        rows, tokens = [], []
+        for row, (seqs, out) in enumerate(zip(self.bad_seqs, self.history)):
+            for prefix, last in seqs or ():
+                if len(out) >= len(prefix) and tuple(out[len(out) - len(prefix) :]) == prefix:
+                    rows.append(row)
+                    tokens.append(last)
+        if not rows:
+            return logits
+        return logits.index_put((torch.tensor(rows), torch.tensor(tokens)), torch.tensor(float("-inf")))
 
     def update(self, tokens: torch.Tensor) -> None:
         """Count the tokens just chosen, one per row."""
@@ -202,6 +355,14 @@ class RowProcessors:
         if self.counts is not None:
             self.counts.scatter_add_(1, col, torch.ones(col.shape, dtype=self.counts.dtype))
         self.produced += 1
+        if self.history is not None or self.matchers is not None:
+            chosen = tokens.tolist()
+            for row, out in enumerate(self.history or ()):
+                if out is not None:
+                    out.append(chosen[row])
+            for row, m in enumerate(self.matchers or ()):
+                if m is not None and not m.is_terminated():
+                    m.accept_token(chosen[row])
         if self.stops is not None and not self._holds_back():
             self.stops = None  # every row is past its min_tokens
 
@@ -228,8 +389,8 @@ def logprobs(
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
-    """Each row's next token: argmax for greedy rows; for the others, temperature, top-k and
-    top-p (as transformers' warpers: the smallest set of likeliest tokens whose probability
+    """Each row's next token: argmax for greedy rows; for the others, temperature, min_p, top-k
+    and top-p (as transformers' warpers: the smallest set of likeliest tokens whose probability
     reaches top_p, the likeliest always kept) applied to all of them together in a few tensor
     ops, then one draw per row by inverse CDF from a uniform number of the row's own generator
     (a seeded row draws the same numbers whatever else is in the batch)."""
@@ -241,6 +402,10 @@ def sample(
     ps = [params[i] for i in rows]
     scores = logits.index_select(0, idx).float() / torch.tensor([[p.temperature] for p in ps])
     n, vocab = scores.shape
+    if any(p.min_p for p in ps):
+        probs = scores.softmax(-1)
+        floor = torch.tensor([[p.min_p] for p in ps]) * probs.max(-1, keepdim=True).values
+        scores = scores.masked_fill(probs < floor, float("-inf"))
     if any(p.top_k for p in ps):
         ks = torch.tensor([min(p.top_k, vocab) if p.top_k else vocab for p in ps])
         top = scores.topk(int(ks.max()), dim=-1).values

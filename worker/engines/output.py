@@ -45,7 +45,10 @@ class OutputProcessor:
             start = max(0, len(seq.text) - len(delta) - seq.holdback)
             found = [p for p in (seq.text.find(s, start) for s in params.stop) if p >= 0]
             if found:
-                return self._resolve(seq, "stop", seq.text[: min(found)])
+                at = min(found)
+                if params.include_stop_str_in_output:  # the stop string found first, kept
+                    at += max(len(s) for s in params.stop if seq.text.find(s, start) == at)
+                return self._resolve(seq, "stop", seq.text[:at])
         upto = max(seq.sent, len(seq.text) - seq.holdback)
         self._stream(seq, seq.text[seq.sent : upto])
         seq.sent = upto
@@ -61,10 +64,11 @@ class OutputProcessor:
         if why == "cancelled":
             seq.future.set_exception(JobCancelled(seq.spec.id))
             return
-        partial = self.result(seq, "timeout", self.tok.decode(seq.out, skip_special_tokens=True))
+        partial = self.result(seq, "timeout", self._decode(seq, seq.out))
         seq.future.set_exception(GenerationError("timeout", seq.timeout_message, partial))
 
     def result(self, seq: Seq, reason: str, text: str) -> GenerationResult:
+        ids = seq.spec.params.return_token_ids
         return GenerationResult(
             text=text,
             finish_reason=reason,
@@ -73,11 +77,31 @@ class OutputProcessor:
             batch_size=max(seq.batch_peak, 1),
             model=self.model,
             logprobs=seq.lp,
+            prompt_logprobs=self._prompt_logprobs(seq) if seq.prompt_lp is not None else None,
+            prompt_token_ids=list(seq.prompt_ids) if ids else None,
+            token_ids=list(seq.out) if ids else None,
         )
+
+    def _prompt_logprobs(self, seq: Seq) -> list:
+        """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank,
+        decoded_token}} for the token there and the likeliest ones."""
+        out: list = [None]
+        for token, value, rank, top in seq.prompt_lp:
+            entry = {str(t): {"logprob": v, "rank": j + 1, "decoded_token": self._piece(t)} for j, (t, v) in enumerate(top)}
+            entry[str(token)] = {"logprob": value, "rank": rank, "decoded_token": self._piece(token)}
+            out.append(entry)
+        return out
+
+    def _decode(self, seq: Seq, tokens: list[int]) -> str:
+        p = seq.spec.params
+        if p.skip_special_tokens and p.spaces_between_special_tokens:
+            return self.tok.decode(tokens, skip_special_tokens=True)
+        return self.tok.decode(tokens, skip_special_tokens=p.skip_special_tokens,
+                               spaces_between_special_tokens=p.spaces_between_special_tokens)
 
     def _resolve(self, seq: Seq, reason: str, text: str | None = None) -> bool:
         if text is None:
-            text = self.tok.decode(seq.out, skip_special_tokens=True)
+            text = self._decode(seq, seq.out)
         result = self.result(seq, reason, text)
         usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
         self._stream(seq, text[seq.sent :], finish=reason, usage=usage)
@@ -87,8 +111,8 @@ class OutputProcessor:
 
     def _detokenize(self, seq: Seq) -> str:
         """The text the newest token adds; empty while it ends inside a UTF-8 character."""
-        before = self.tok.decode(seq.out[seq.prefix_off : seq.read_off], skip_special_tokens=True)
-        after = self.tok.decode(seq.out[seq.prefix_off :], skip_special_tokens=True)
+        before = self._decode(seq, seq.out[seq.prefix_off : seq.read_off])
+        after = self._decode(seq, seq.out[seq.prefix_off :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             seq.prefix_off, seq.read_off = seq.read_off, len(seq.out)
             return after[len(before) :]

@@ -14,15 +14,18 @@ from __future__ import annotations
 import torch
 
 from worker.engines.kvcache import SlotKV
-from worker.engines.logits import RowProcessors, logprobs, sample
+from worker.engines.logits import LOGPROB_FLOOR, RowProcessors, logprobs, sample
 from worker.engines.scheduler import Seq
 
 Step = tuple[list[int], dict]  # each row's token, and {row: (logprob, top)} for the rows that want them
 
 
 class ModelRunner:
-    def __init__(self, lm, kv: SlotKV, device: torch.device, pad: int, eos: int | None):
-        self.lm, self.kv, self.device, self.pad, self.eos = lm, kv, device, pad, eos
+    def __init__(self, lm, kv: SlotKV, device: torch.device, pad: int, eos: int | None, tok=None):
+        self.lm, self.kv, self.device, self.pad, self.eos, self.tok = lm, kv, device, pad, eos, tok
+        # The logits' width (the output layer's; it may exceed the tokenizer's vocabulary).
+        head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+        self.vocab = head.weight.shape[0] if head is not None else lm.config.vocab_size
         self.next: torch.Tensor | None = None  # [rows, 1] each row's newest token, fed next
         self.procs: RowProcessors | None = None  # in step with the rows; None while none needs any
 
@@ -40,12 +43,17 @@ class ModelRunner:
         # most architectures would otherwise number every row's columns from 0 alike).
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
-        out = self.lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        # Rows that want prompt_logprobs (on their first prefill) need every position's logits.
+        every = [r for r, s in enumerate(seqs) if s.spec.params.prompt_logprobs is not None and s.prompt_lp is None]
+        out = self.lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                      logits_to_keep=0 if every else 1)
+        if every:
+            self._prompt_logprobs(seqs, every, out.logits, width)
         raw = out.logits[:, -1, :]
         vocab = raw.shape[-1]
         procs = RowProcessors.build(
             [s.spec.params for s in seqs], fed, [min(s.spec.params.min_tokens, s.max_new) for s in seqs],
-            self.eos, vocab, outputs=[s.out for s in seqs],
+            self.eos, vocab, outputs=[s.out for s in seqs], tokenizer=self.tok,
         )
         first = self._choose(seqs, raw, procs)
         lps = self._logprobs(seqs, raw, first)
@@ -116,6 +124,24 @@ class ModelRunner:
         tokens = sample(procs.apply(raw), [s.spec.params for s in seqs], [s.generator for s in seqs])
         procs.update(tokens)
         return tokens
+
+    @staticmethod
+    def _prompt_logprobs(seqs: list[Seq], rows: list[int], logits: torch.Tensor, width: int) -> None:
+        """Each row's prompt tokens' log-probabilities (from the second: what the positions
+        before predicted), their ranks and the `prompt_logprobs` likeliest there (vLLM's)."""
+        for r in rows:
+            seq, n = seqs[r], len(seqs[r].prompt_ids)
+            lp = logits[r, width - n : width - 1].float().cpu().log_softmax(-1)
+            target = torch.tensor(seq.prompt_ids[1:]).view(-1, 1)
+            chosen = lp.gather(1, target)
+            ranks = (lp > chosen).sum(-1) + 1
+            k = seq.spec.params.prompt_logprobs
+            top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            seq.prompt_lp = [
+                (t, max(c, LOGPROB_FLOOR), rank, list(zip(i, [max(x, LOGPROB_FLOOR) for x in v])))
+                for t, c, rank, i, v in zip(seq.prompt_ids[1:], chosen.view(-1).tolist(), ranks.tolist(),
+                                            top_i.tolist(), top_v.tolist())
+            ]
 
     @staticmethod
     def _logprobs(seqs: list[Seq], raw: torch.Tensor, tokens: torch.Tensor) -> dict:

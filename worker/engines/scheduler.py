@@ -54,6 +54,9 @@ class Seq:
     lp_unsent: Logprobs | None = None
     lp_offset: int = 0
     background: bool = False  # priority > 0 (batch lines): sits steps out, can be preempted
+    # With `prompt_logprobs`: per prompt position from the second, (token, its logprob, its
+    # rank, the top (token, logprob) there), from the prefill (worker/engines/runner.py).
+    prompt_lp: list | None = None
 
     @property
     def fed(self) -> list[int]:

@@ -42,12 +42,14 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
         from transformers import AutoTokenizer
         from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._SamplingParams, self._DELTA, self._ClientError = SamplingParams, RequestOutputKind.DELTA, VLLMClientError
+        self._StructuredOutputsParams = StructuredOutputsParams
         self.sink = sink or DirectSink()
         self.model = settings.served_model
         self.capacity = settings.max_batch_size
@@ -82,8 +84,16 @@ class VLLMEngine(Engine):
         self.device = "cuda" if _has_gpu() else "cpu"  # vLLM's own placement (its workers' GPUs)
 
     def submit(self, spec: JobSpec) -> Future[GenerationResult]:
-        # A chat prompt (rendered by worker/chat.py) holds its special tokens already.
-        ids = self.tok(spec.prompt, add_special_tokens=spec.chat is None).input_ids
+        p = spec.params
+        if spec.prompt_token_ids is not None:
+            ids = list(spec.prompt_token_ids)
+        else:
+            # A chat prompt (rendered by worker/chat.py) holds its special tokens already.
+            add = p.add_special_tokens if p.add_special_tokens is not None else spec.chat is None
+            ids = self.tok(spec.prompt, add_special_tokens=add).input_ids
+        if p.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if p.truncate_prompt_tokens == -1 else p.truncate_prompt_tokens
+            ids = ids[-keep:]
         n_prompt = len(ids)
         max_new = spec.params.max_new_tokens or self.default_max_new
         if n_prompt + max_new > self.max_model_len:
@@ -93,7 +103,8 @@ class VLLMEngine(Engine):
                 f"the model's context of {self.max_model_len} tokens",
             )
         future: Future[GenerationResult] = Future()
-        prompt = {"prompt": spec.prompt} if spec.chat is None else {"prompt_token_ids": ids}
+        # The prompt as token ids: tokenized here (add_special_tokens, truncate_prompt_tokens), or as sent.
+        prompt = {"prompt_token_ids": ids}
         asyncio.run_coroutine_threadsafe(self._generate(spec, prompt, max_new, future), self.loop)
         return future
 
@@ -108,6 +119,33 @@ class VLLMEngine(Engine):
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
+
+    def _structured(self, so):
+        """vLLM's StructuredOutputsParams of the job's StructuredOutput (or None)."""
+        if so is None:
+            return None
+        kind = (
+            {"json": so.json_schema} if so.json_schema is not None
+            else {"json_object": True} if so.json_object
+            else {"regex": so.regex} if so.regex is not None
+            else {"choice": so.choice} if so.choice is not None
+            else {"grammar": so.grammar}
+        )  # fmt: skip
+        return self._StructuredOutputsParams(**kind, disable_any_whitespace=so.disable_any_whitespace)
+
+    def _prompt_logprobs(self, positions) -> list:
+        """vLLM's prompt logprobs ({token id: Logprob} per position, None first) as the result's."""
+        out = []
+        for pos in positions:
+            if pos is None:
+                out.append(None)
+                continue
+            out.append({
+                str(t): {"logprob": max(v.logprob, -9999.0), "rank": v.rank,
+                         "decoded_token": v.decoded_token if v.decoded_token is not None else self.tok.decode([t])}
+                for t, v in pos.items()
+            })  # fmt: skip
+        return out
 
     async def _generate(self, spec: JobSpec, prompt: dict, max_new: int, future: Future) -> None:
         p = spec.params
@@ -125,10 +163,20 @@ class VLLMEngine(Engine):
             min_tokens=min(p.min_tokens, max_new),
             stop_token_ids=p.stop_token_ids or None,
             logprobs=p.logprobs,
+            min_p=p.min_p,
+            logit_bias=p.logit_bias or None,
+            allowed_token_ids=p.allowed_token_ids,
+            bad_words=p.bad_words or None,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+            skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens,
+            prompt_logprobs=p.prompt_logprobs,
+            structured_outputs=self._structured(p.structured_outputs),
             output_kind=self._DELTA,
         )
         self._active += 1
         peak, index, text, tokens, prompt_tokens = self._active, 0, [], 0, 0
+        token_ids, prompt_ids, prompt_lp = [], None, None
         finish, stop_reason, last, last_lp = None, None, "", None
         logprobs, offset = (Logprobs(), 0) if p.logprobs is not None else (None, 0)
         left, why = self.time_limit(spec)
@@ -137,8 +185,12 @@ class VLLMEngine(Engine):
                 async for out in self.llm.generate(prompt, params, spec.id):
                     peak = max(peak, self._active)
                     prompt_tokens = len(out.prompt_token_ids or []) or prompt_tokens
+                    prompt_ids = out.prompt_token_ids or prompt_ids
+                    if out.prompt_logprobs is not None and prompt_lp is None:
+                        prompt_lp = self._prompt_logprobs(out.prompt_logprobs)
                     completion = out.outputs[0]
                     tokens += len(completion.token_ids)
+                    token_ids += completion.token_ids
                     if completion.text:
                         text.append(completion.text)
                     lp = None
@@ -182,6 +234,9 @@ class VLLMEngine(Engine):
             batch_size=peak,
             model=self.model,
             logprobs=logprobs,
+            prompt_logprobs=prompt_lp,
+            prompt_token_ids=list(prompt_ids or prompt["prompt_token_ids"]) if p.return_token_ids else None,
+            token_ids=token_ids if p.return_token_ids else None,
         )
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens}
         final = [(spec.id, TokenEvent(index, last, finish=reason, usage=usage, logprobs=last_lp))] if spec.stream else []

@@ -1,0 +1,89 @@
+"""Structured output's cost per decode step: the hf engine's logits processing and sampling
+(worker/engines/logits.py: RowProcessors.apply, sample, update) for a batch of 32 rows, with
+0, 1, 8 and 32 of them constrained by a JSON schema (xgrammar bitmasks), beside a batch where
+nobody asks for any processing (no processors at all: what every unconstrained batch pays).
+
+Each grammar row's matcher is reset when its grammar completes, so every step fills a live
+mask. Logits are random (the mask's cost does not depend on them); the vocabulary is the tiny
+test tokenizer's, at the tiny model's width (4096) and at opt-125m's (50272; the extra ids are
+padding, never allowed). Steps of the configurations alternate, so the machine's noise falls on
+all of them alike; each figure is the median over rounds.
+
+    .venv/bin/python -m bench.structured [--rounds 7] [--steps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from scripts import stack
+from tasks.schemas import SamplingParams, StructuredOutput
+from worker.engines.logits import RowProcessors, sample
+
+ROWS = 32
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "color": {"enum": ["red", "green", "blue"]}, "name": {"type": "string", "maxLength": 12}},
+    "required": ["ok", "n", "color", "name"], "additionalProperties": False,
+}  # fmt: skip
+
+
+def batch(tok, vocab: int, constrained: int) -> tuple[list[SamplingParams], RowProcessors | None]:
+    so = StructuredOutput(json_schema=json.dumps(SCHEMA))
+    params = [SamplingParams(temperature=1.0, seed=i, structured_outputs=so if i < constrained else None)
+              for i in range(ROWS)]  # fmt: skip
+    procs = RowProcessors.build(params, [[2]] * ROWS, [0] * ROWS, tok.eos_token_id, vocab, tokenizer=tok)
+    return params, procs
+
+
+def step(params, procs, gens, logits) -> None:
+    chosen = logits if procs is None else procs.apply(logits)
+    tokens = sample(chosen, params, gens)
+    if procs is not None:
+        procs.update(tokens)
+        for m in procs.matchers or ():
+            if m is not None and m.is_terminated():
+                m.reset()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from worker import devmodels
+
+    tok = AutoTokenizer.from_pretrained(devmodels.ensure("tiny", stack.TINY_MODEL_DIR))
+    print(f"rows={ROWS} steps/round={args.steps} rounds={args.rounds} torch threads=1")
+    for vocab in (4096, 50272):
+        configs = {k: batch(tok, vocab, k) for k in (0, 1, 8, 32)}
+        gens = [torch.Generator().manual_seed(i) for i in range(ROWS)]
+        logits = torch.randn(ROWS, vocab)
+        times: dict[int, list[float]] = {k: [] for k in configs}
+        t0 = time.perf_counter()
+        for k, (params, procs) in configs.items():  # compile and warm up
+            step(params, procs, gens, logits)
+        compile_s = time.perf_counter() - t0
+        for _ in range(args.rounds):
+            for k, (params, procs) in configs.items():
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    step(params, procs, gens, logits)
+                times[k].append((time.perf_counter() - t0) / args.steps)
+        base = statistics.median(times[0])
+        print(f"vocab {vocab} (first steps, compiling the schema once: {compile_s * 1e3:.1f} ms)")
+        for k, ts in times.items():
+            med = statistics.median(ts)
+            print(f"  {k:2d} of {ROWS} rows constrained: {med * 1e3:7.3f} ms/step  ({med / base:5.2f}x the unconstrained)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Structured output for the hf engine: vLLM's `structured_outputs` (JSON Schema, any JSON
+object, regex, choice, EBNF/Lark grammar) compiled by xgrammar, the library vLLM uses.
+
+A compiled grammar is the tokenizer's whole vocabulary checked once against the grammar;
+each constrained row of the batch then has a `GrammarMatcher` (its position in the grammar),
+which fills that row's bitmask of allowed tokens before each step and accepts the token chosen
+after it (worker/engines/logits.py does both, for the rows that have one). Once the grammar is
+complete only EOS is allowed, so a constrained completion ends where its text is whole (or at
+`max_tokens`, as in vLLM, cut short).
+
+JSON follows vLLM's xgrammar backend (`compile_json_schema`, `{"type": "object"}` for
+`json_object`, choices as an EBNF alternation, `grammar` as Lark when it looks like Lark), with
+one difference: a run of whitespace between JSON tokens is at most WHITESPACE_MAX characters
+(vLLM: unbounded), so that a model cannot spend its whole `max_tokens` on indentation.
+`disable_any_whitespace` allows none, as vLLM's. And a string with `minLength`/`maxLength`
+(and no pattern of its own) is given the pattern of JSON's unescaped characters of that length:
+xgrammar 0.2.8 compiles such strings to "any character but quote, backslash, CR and LF", so a
+model could put raw control characters in them, which no JSON parser takes (`string_lengths`).
+
+xgrammar is imported on first use: a worker whose jobs never ask for structured output never
+loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from functools import lru_cache
+from typing import Any
+
+from tasks.schemas import StructuredOutput
+
+# The most whitespace characters between two JSON tokens (xgrammar's max_whitespace_cnt).
+WHITESPACE_MAX = 2
+# The compiled grammars one worker keeps (xgrammar's own cache, in bytes).
+CACHE_BYTES = 64 << 20
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled (the message says why, naming the request's field)."""
+
+
+class Grammars:
+    """Compiles constraints for one tokenizer and vocabulary size (the model's logits' width,
+    which may exceed the tokenizer's: the extra ids are never allowed)."""
+
+    def __init__(self, tokenizer: Any, vocab: int):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.vocab = vocab
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
+        self._lock = threading.Lock()
+
+    def compile(self, so: StructuredOutput):
+        """The compiled grammar (xgrammar caches it: a second job with the same constraint
+        costs a lookup); GrammarError for one that is not valid."""
+        c = self.compiler
+        ws: dict[str, Any] = (
+            dict(any_whitespace=False, separators=(",", ":"))
+            if so.disable_any_whitespace
+            else dict(any_whitespace=True, max_whitespace_cnt=WHITESPACE_MAX)
+        )
+        with self._lock:  # Celery threads check (compile) while the scheduler builds rows
+            try:
+                if so.json_schema is not None:
+                    return c.compile_json_schema(json.dumps(string_lengths(json.loads(so.json_schema))), **ws)
+                if so.json_object:
+                    return c.compile_json_schema('{"type": "object"}', **ws)
+                if so.regex is not None:
+                    return c.compile_regex(so.regex)
+                if so.choice is not None:
+                    return c.compile_grammar(choice_grammar(so.choice))
+                if looks_like_lark(so.grammar):
+                    return c.compile_lark(so.grammar)
+                return c.compile_grammar(so.grammar)
+            except (RuntimeError, ValueError, TypeError) as exc:
+                raise GrammarError(f"{field_of(so)}: {first_line(exc)}") from None
+
+    def matcher(self, so: StructuredOutput, accepted: list[int] = ()):
+        """A matcher at the grammar's start, or past `accepted` (a preempted row taken up
+        again)."""
+        m = self.xgr.GrammarMatcher(self.compile(so))
+        for t in accepted:
+            m.accept_token(t)
+        return m
+
+    def bitmask(self, rows: int):
+        return self.xgr.allocate_token_bitmask(rows, self.vocab)
+
+    def apply(self, logits, bitmask, rows: list[int]) -> None:
+        """Disallowed tokens of `rows` (of `logits`, float32 on the CPU, in place) to -inf."""
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab, indices=rows)
+
+
+@lru_cache(maxsize=8)
+def _grammars(tokenizer_id: int, tokenizer: Any, vocab: int) -> Grammars:
+    return Grammars(tokenizer, vocab)
+
+
+def grammars_for(tokenizer: Any, vocab: int) -> Grammars:
+    """The engine's Grammars (one per tokenizer and vocabulary, made on first use)."""
+    return _grammars(id(tokenizer), tokenizer, vocab)
+
+
+def string_lengths(schema: Any) -> Any:
+    """`schema` with a `pattern` for each string that has a length and no pattern, format,
+    enum or const: JSON's characters that need no escape, from minLength to maxLength of them."""
+    if isinstance(schema, list):
+        return [string_lengths(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: string_lengths(v) if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples")
+           else v for k, v in schema.items()}
+    sized = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and sized and not {"pattern", "format", "enum", "const"} & out.keys():
+        low, high = int(out.get("minLength", 0)), out.get("maxLength")
+        out["pattern"] = "^[^\"\\\\\\x00-\\x1f]{%d,%s}$" % (low, "" if high is None else int(high))
+    return out
+
+
+def field_of(so: StructuredOutput) -> str:
+    for name, field in (("json_schema", "json"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar")):
+        if getattr(so, name) is not None:
+            return f"structured_outputs.{field}"
+    return "structured_outputs.json_object"
+
+
+def first_line(exc: Exception) -> str:
+    """xgrammar's message without its time stamp and source location."""
+    text = str(exc).strip() or type(exc).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text.splitlines()[0])[:300]
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """`root ::= "a" | "b"`, each choice an escaped EBNF string (as vLLM's choice_as_grammar)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def looks_like_lark(grammar: str) -> bool:
+    """Lark (`start: ...`, `rule: ...`) rather than xgrammar's EBNF (`root ::= ...`), as vLLM
+    tells them apart."""
+    lines = [ln.strip() for ln in grammar.splitlines() if ln.strip() and not ln.strip().startswith(("#", "//"))]
+    return bool(lines) and "::=" not in grammar and any(":" in ln for ln in lines)
