@@ -3,6 +3,7 @@ accept the requests the API accepts and describe the responses it sends."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -163,3 +164,62 @@ def test_schemas_fit_real_requests_and_responses(echo_stack):
         check(spec, body_schema(spec, "/v1/jobs"), {"prompt": ""})
     check(spec, response_schema(spec, "/healthz", "get", 200), echo_stack.get("/healthz").json())
     check(spec, response_schema(spec, "/readyz", "get", 200), echo_stack.get("/readyz").json())
+
+
+def test_the_batch_api_is_documented_by_its_models(echo_stack):
+    """Files and batches are in the document with their models (not generic), and what the
+    live API answers to an upload, a batch, a listing, a cancel and a delete fits them."""
+    spec = echo_stack.get("/openapi.json").json()
+    upload = spec["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert upload == {"$ref": "#/components/schemas/FileUpload"}
+    assert body_schema(spec, "/v1/batches") == {"$ref": "#/components/schemas/BatchRequest"}
+    for path, method, model in [
+        ("/v1/files", "post", "File"),
+        ("/v1/files/{file_id}", "get", "File"),
+        ("/v1/files/{file_id}", "delete", "FileDeleted"),
+        ("/v1/batches", "post", "Batch"),
+        ("/v1/batches", "get", "BatchList"),
+        ("/v1/batches/{batch_id}", "get", "Batch"),
+        ("/v1/batches/{batch_id}/cancel", "post", "Batch"),
+    ]:
+        assert response_schema(spec, path, method, 200) == {"$ref": f"#/components/schemas/{model}"}, path
+    content = spec["paths"]["/v1/files/{file_id}/content"]["get"]["responses"]["200"]["content"]
+    assert "application/octet-stream" in content
+
+    def upload(text: str):
+        files = {"file": ("in.jsonl", text)}
+        return echo_stack.http.post(echo_stack.base + "/v1/files", data={"purpose": "batch"}, files=files, timeout=60)
+
+    body = {"model": echo_stack.name, "prompt": "x", "max_tokens": 2}
+    resp = upload(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    assert resp.status_code == 200, resp.text
+    check(spec, response_schema(spec, "/v1/files", "post", 200), resp.json())
+    file_id = resp.json()["id"]
+    got = echo_stack.get(f"/v1/files/{file_id}").json()
+    check(spec, response_schema(spec, "/v1/files/{file_id}", "get", 200), got)
+    bad = upload("{}\nnot json\n")
+    assert (bad.status_code, bad.json()["error"]["line"]) == (400, 2)
+    check(spec, response_schema(spec, "/v1/files", "post", 400), bad.json())
+
+    body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+    check(spec, body_schema(spec, "/v1/batches"), body)
+    batch = echo_stack.post("/v1/batches", json=body)
+    assert batch.status_code == 200, batch.text
+    check(spec, response_schema(spec, "/v1/batches", "post", 200), batch.json())
+    batch_id = batch.json()["id"]
+    listed = echo_stack.get("/v1/batches?limit=5").json()
+    check(spec, response_schema(spec, "/v1/batches", "get", 200), listed)
+    assert batch_id in [b["id"] for b in listed["data"]]
+    cancel = echo_stack.post(f"/v1/batches/{batch_id}/cancel")  # 409 if it already ended
+    assert cancel.status_code in (200, 409), cancel.text
+    check(spec, response_schema(spec, "/v1/batches/{batch_id}/cancel", "post", cancel.status_code), cancel.json())
+    deadline = time.monotonic() + 60
+    while (got := echo_stack.get(f"/v1/batches/{batch_id}").json())["status"] not in ("completed", "cancelled"):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.2)
+    check(spec, response_schema(spec, "/v1/batches/{batch_id}", "get", 200), got)
+    gone = echo_stack.http.delete(f"{echo_stack.base}/v1/files/{file_id}", timeout=30)
+    check(spec, response_schema(spec, "/v1/files/{file_id}", "delete", 200), gone.json())
+    missing = echo_stack.get(f"/v1/files/{file_id}")
+    assert missing.status_code == 404
+    check(spec, response_schema(spec, "/v1/files/{file_id}", "get", 404), missing.json())

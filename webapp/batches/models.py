@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
 TIMESTAMPS = (
     "created_at",
     "in_progress_at",
@@ -32,7 +32,7 @@ class BatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     input_file_id: str = Field(min_length=1)
-    endpoint: Literal["/v1/completions", "/v1/chat/completions"]
+    endpoint: Endpoint
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = Field(None, max_length=16)
 
@@ -90,8 +90,8 @@ class FileDeleted(BaseModel):
 class BatchError(BaseModel):
     code: str
     message: str
-    param: str | None
-    line: int | None = Field(description="the input file's line at fault (1-based), where one is")
+    param: str | None = None
+    line: int | None = Field(None, description="the input file's line at fault (1-based), where one is")
 
 
 class BatchErrors(BaseModel):
