@@ -62,7 +62,7 @@ def test_cancelling_aborts_the_vllm_request(vllm_stack):
     # Sixteen long jobs share the batch, so each runs for seconds. A loaded machine can still
     # finish one before the cancel lands (409): then try again with a new batch.
     for _ in range(3):
-        ids = [submit(vllm_stack, prompt=f"Hello {i}", max_new_tokens=480, ignore_eos=True) for i in range(16)]
+        ids = [submit(vllm_stack, prompt=f"Hello {i}", max_new_tokens=360, ignore_eos=True) for i in range(16)]
         with vllm_stack.http.get(f"{vllm_stack.base}/v1/jobs/{ids[0]}/stream", stream=True, timeout=60) as resp:
             sse_events(resp, limit=1)  # it is running
         resp = vllm_stack.post(f"/v1/jobs/{ids[0]}/cancel")
@@ -73,7 +73,7 @@ def test_cancelling_aborts_the_vllm_request(vllm_stack):
     events = stream(vllm_stack, ids[0])
     assert events[-1]["event"] == "error"
     assert json.loads(events[-1]["data"])["error"]["code"] == "cancelled"
-    assert len([e for e in events if e["event"] == "token"]) < 480  # it stopped early
+    assert len([e for e in events if e["event"] == "token"]) < 360  # it stopped early
     for job_id in ids[1:]:
         assert vllm_stack.get(f"/v1/jobs/{job_id}?wait=120").json()["status"] == "succeeded"
     # The worker goes on serving.
@@ -93,7 +93,7 @@ def test_the_api_and_hf_worker_run_without_vllm(hf_stack):
 
 
 def test_a_job_past_its_deadline_is_aborted_with_its_partial_text(vllm_stack):
-    long = {"prompt": "Hello", "max_new_tokens": 400, "ignore_eos": True, "model": vllm_stack.name}
+    long = {"prompt": "Hello", "max_new_tokens": 360, "ignore_eos": True, "model": vllm_stack.name}
     # Calibrate: how long this machine takes for the whole job; the deadline comes half-way.
     whole = vllm_stack.get(f"/v1/jobs/{submit(vllm_stack, **long)}?wait=120").json()
     assert whole["status"] == "succeeded", whole
