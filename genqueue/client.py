@@ -376,8 +376,10 @@ class TokenStream:
     """An iterator of a job's tokens (`str`), from `Client.stream`.
 
     After a dropped connection (or a 5xx, or Redis briefly gone on the server) it reconnects
-    with `Last-Event-ID`, up to `client.max_reconnects` times in a row, with backoff. A sampled
-    job that started over on another worker yields a `Restart`: drop the text so far.
+    with `Last-Event-ID`, up to `client.max_reconnects` times in a row, with backoff. A job
+    that started over on another worker with other tokens than those received (a sampled one,
+    or a greedy one whose re-run took other tokens) yields a `Restart`: drop the text so far;
+    the new attempt's tokens follow from its first.
     After the last token: `finish_reason`, `usage`; at any time `text` (the current attempt's
     text so far), `last_event_id`, `reconnects`, `restarts`. A failed or cancelled job raises
     `JobError`/`JobCancelled`. After an exception, iterating again resumes where it stopped.

@@ -11,11 +11,17 @@ entries up to `k`.
 
 A job run again after its worker died or hung (attempt n > 1) replaces its stream: the new
 attempt empties it and starts it with a marker `{"restart": n}`, then numbers its tokens from 0
-again (tasks/jobs.py does both in the call that starts the attempt). A greedy or seeded job
-gives the same tokens again, so a reader skips what it already has and sees no seam. For a
-sampled job the new tokens differ: the reader yields a `Restart`, the client drops the text it
-had, and event ids of later attempts read `n:k` so that a resumed reader knows which attempt
-its `Last-Event-ID` belongs to. No reader ever sees tokens of two attempts mixed.
+again (tasks/jobs.py does both in the call that starts the attempt). A reader never takes a
+replay on trust, whatever the job's sampling or the engine's dtype (a greedy job re-run in
+another batch, in bfloat16, can take other tokens): it compares each token of the new attempt
+with the one it already has at that index (text and finish reason; logprobs are not
+compared) and skips it while they agree, so a replay that agrees shows no seam. At the first
+token that differs (or that it has nothing to compare with: it resumed with an id of an
+earlier attempt than the stream holds) it yields a `Restart`, then the new attempt's tokens
+from the first: the client drops the text it had. Event ids of later attempts read `n:k`, so
+that a resumed reader knows which attempt its `Last-Event-ID` belongs to. No reader ever sees
+tokens of two attempts mixed: what it assembled is one attempt's text, the job's result's
+once it has finished.
 """
 
 from __future__ import annotations
@@ -68,7 +74,8 @@ class StreamEnd:
 
 @dataclass
 class Restart:
-    """A sampled job started over on another worker: discard its text received so far."""
+    """A job started over on another worker with other tokens than the reader has: discard
+    its text received so far; the new attempt's tokens follow from the first."""
 
     attempt: int
 
@@ -82,12 +89,6 @@ def parse_event_id(raw: str | int) -> tuple[int, int]:
     return (int(attempt) if attempt else 1), int(index)
 
 
-def _replays(rec: dict[str, str] | None) -> bool:
-    """Whether a new attempt at this job gives the tokens of the last one again."""
-    params = json.loads(rec.get("params") or "{}") if rec else {}
-    return not params.get("temperature") or params.get("seed") is not None
-
-
 def follow(
     client: redis.Redis,
     job_ids: list[str],
@@ -99,12 +100,14 @@ def follow(
 
     `after[job_id]` is an event id (Last-Event-ID): events up to it are skipped. A job that
     reaches a final status without a finish event (failed, cancelled) yields a `StreamEnd`; a
-    sampled job that started over yields a `Restart` (see the module's docstring).
+    job that started over with other tokens than the reader has yields a `Restart` (see the
+    module's docstring).
     """
-    last = {job_id: -1 for job_id in job_ids}
-    attempt = {job_id: 1 for job_id in job_ids}
+    views = {job_id: _View() for job_id in job_ids}
     for job_id, event_id in (after or {}).items():
-        attempt[job_id], last[job_id] = parse_event_id(event_id)
+        view = views[job_id]
+        view.attempt, view.last = parse_event_id(event_id)
+        view.seen = view.attempt
     cursors: dict[str, str] = {}
     owner: dict[str, str] = {}
     for job_id in job_ids:
@@ -138,25 +141,68 @@ def follow(
                             continue
                     ended.add(job_id)
                 continue
+            view = views[job_id]
             for _, fields in entries:
+                if job_id not in open_jobs:
+                    break
                 if "restart" in fields:
-                    n = int(fields["restart"])
-                    if n > attempt[job_id]:
-                        attempt[job_id] = n
-                        if not _replays(get_record(job_id)):
-                            if last[job_id] >= 0:
-                                yield job_id, Restart(n)
-                            last[job_id] = -1
+                    view.new_attempt(int(fields["restart"]))
                     continue
                 event = TokenEvent.parse(fields)
-                event.attempt = attempt[job_id]
-                if event.index <= last[job_id] or job_id not in open_jobs:
-                    continue
-                last[job_id] = event.index
-                yield job_id, event
-                if event.finish:
-                    open_jobs.discard(job_id)
+                event.attempt = view.attempt
+                for out in view.take(event):
+                    yield job_id, out
+                    if isinstance(out, TokenEvent) and out.finish:
+                        open_jobs.discard(job_id)
         cursors = {k: v for k, v in cursors.items() if owner[k] in open_jobs}
+
+
+class _View:
+    """What one reader has of one job's tokens, and how a new attempt's tokens compare.
+
+    `last`: the highest index the reader has; `seen`: the attempt whose tokens the reader holds
+    up to `last` (those of earlier attempts it had were found equal to them); `texts`: those
+    tokens it has read here, to compare a new attempt's with; `held`: the new attempt's tokens
+    found equal so far, not sent again."""
+
+    def __init__(self) -> None:
+        self.attempt = 1
+        self.seen = 1
+        self.last = -1
+        self.texts: dict[int, tuple[str, str | None]] = {}
+        self.held: list[TokenEvent] = []
+
+    def new_attempt(self, n: int) -> None:
+        if n > self.attempt:
+            self.attempt, self.held = n, []
+
+    def take(self, ev: TokenEvent) -> list[TokenEvent | Restart]:
+        """What to send the reader for this token event of the current attempt."""
+        i = ev.index
+        if self.attempt == self.seen:
+            if i <= self.last:  # its own tokens again (a resumed reader reads from the start)
+                self.texts[i] = (ev.text, ev.finish)
+                return []
+            return self._send(ev)
+        # A new attempt: skip what the reader has while it agrees.
+        if i <= self.last and self.texts.get(i) == (ev.text, ev.finish) and i == len(self.held):
+            self.held.append(ev)
+            return []
+        if i > self.last and len(self.held) == self.last + 1:
+            self.seen, self.held = self.attempt, []  # every token the reader had agreed
+            return self._send(ev)
+        # It differs (or cannot be compared): start the reader over on this attempt.
+        out: list[TokenEvent | Restart] = [Restart(self.attempt)] if self.last >= 0 else []
+        replay, self.held, self.texts = [*self.held, ev], [], {}
+        self.seen, self.last = self.attempt, -1
+        for e in replay:
+            out += self._send(e)
+        return out
+
+    def _send(self, ev: TokenEvent) -> list[TokenEvent | Restart]:
+        self.last = ev.index
+        self.texts[ev.index] = (ev.text, ev.finish)
+        return [ev]
 
 
 def _end_of(get_record, job_id: str) -> StreamEnd | None:

@@ -155,6 +155,75 @@ def test_a_killed_workers_jobs_finish_elsewhere_within_a_minute(make_stack, refe
     assert joined(events) == recs[again]["result"]["text"]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_live_reader_never_gets_two_attempts_mixed(make_stack, dtype):
+    """Readers of greedy and sampled (unseeded) jobs read while the worker running them is
+    SIGKILLed; the jobs finish on the other worker. In bfloat16 a greedy re-run in another
+    batch can take other tokens; a sampled one does. Each reader (raw SSE, and the client's
+    TokenStream) ends with the text of one attempt: the job's result's."""
+    from genqueue.client import Client, Restart as ClientRestart
+
+    s = make_stack(GENQ_DTYPE=dtype, GENQ_MAX_BATCH_SIZE="16")
+    s.start_api()
+    workers = _start_workers(s, 2)
+    n = 480  # longest the tiny model's context takes: the batch still runs when the signal comes
+    ids = [submit(s, prompt=p, max_new_tokens=n, ignore_eos=True, **({"temperature": 1.0} if i % 2 else {}))
+           for i, p in enumerate(_prompts(16))]
+    raw: dict[str, list[dict]] = {j: [] for j in ids}
+    texts: dict[str, dict] = {}
+    client = Client(s.base, timeout=60)
+
+    def read_raw(job_id: str) -> None:
+        with s.http.get(f"{s.base}/v1/jobs/{job_id}/stream", stream=True, timeout=90) as resp:
+            current: dict = {}
+            for line in resp.iter_lines(decode_unicode=True):
+                if line == "" and "data" in current:
+                    raw[job_id].append(current)
+                    current = {}
+                elif line and not line.startswith(":"):
+                    field, _, value = line.partition(": ")
+                    current[field] = value
+
+    def read_client(job_id: str) -> None:
+        ts = client.stream(job_id)
+        restarts = sum(isinstance(piece, ClientRestart) for piece in ts)
+        texts[job_id] = {"text": ts.text, "restarts": restarts}
+
+    threads = [threading.Thread(target=f, args=(j,), daemon=True) for j in ids for f in (read_raw, read_client)]
+    for t in threads:
+        t.start()
+    try:
+        victim = _busiest(s, ids, workers)
+        mark = f"-{victim.pid}@"
+        mine = [j for j, r in _records(s, ids).items() if mark in r.get("worker", "")]
+        # Once its readers have some of its jobs' tokens (a replay has something to disagree with).
+        stackmod.wait_until(lambda: any(len(raw[j]) >= 3 for j in mine), 60, "tokens read", s.procs)
+        victim.signal(signal.SIGKILL)
+        moved = _held(s, ids, victim)
+        read_now = {j: len(raw[j]) for j in moved}
+        recs = _wait_final(s, ids, RECOVERY_LIMIT_S)
+        for t in threads:
+            t.join(30)
+    finally:
+        client.close()
+    assert all(r["status"] == "succeeded" for r in recs.values()), recs
+    assert any(recs[j]["attempts"] == 2 and read_now[j] > 0 for j in moved), "no reader read a re-run job"
+    for i, job_id in enumerate(ids):
+        final = recs[job_id]["result"]["text"]
+        events = raw[job_id]
+        restarts = [k for k, e in enumerate(events) if e.get("event") == "restart"]
+        after = events[restarts[-1] + 1:] if restarts else events
+        assert len(restarts) <= recs[job_id]["attempts"] - 1
+        assert [e["event"] for e in after] == ["token"] * n + ["done"], (job_id, [e["event"] for e in events])
+        assert joined(after) == final, (dtype, job_id)  # one attempt's tokens, the result's
+        assert texts[job_id]["text"] == final, (dtype, job_id)
+        sampled = i % 2 == 1
+        if sampled and job_id in moved and recs[job_id]["attempts"] == 2 and read_now[job_id] >= 3:
+            # Its new attempt took other tokens: the readers were told to start over.
+            assert restarts and texts[job_id]["restarts"] == 1, job_id
+
+
 def test_a_hung_worker_is_given_up_and_writes_nothing_when_it_wakes(make_stack, redis_url):
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     s = make_stack(GENQ_MAX_BATCH_SIZE="16", **DEFAULT_BEAT)
@@ -359,9 +428,11 @@ def _take(it, n: int) -> list:
     return out
 
 
-@pytest.mark.parametrize("sampled", [True, False])
-def test_readers_never_mix_two_attempts_tokens(store, sampled):
-    job = _job(store, temperature=1.0) if sampled else _job(store)
+@pytest.mark.parametrize("second", ["sampled", "same", "diverging"])
+def test_readers_never_mix_two_attempts_tokens(store, second):
+    """A new attempt's tokens: other ones (a sampled job), the same ones (a greedy replay), or
+    the same at first and then others (a greedy job re-run in another batch in bfloat16)."""
+    job = _job(store, temperature=1.0) if second == "sampled" else _job(store)
     store.start(job, "w1", "t1")
     _publish(store, job, 1, ["a", "b", "c"])
     reader = follow(store.r, [job], store.get)
@@ -369,24 +440,28 @@ def test_readers_never_mix_two_attempts_tokens(store, sampled):
 
     store.start(job, "w2", "t2")  # the first worker was given up for dead
     _publish(store, job, 1, ["d"])  # it wakes and writes: fenced off
-    second = ["A", "B", "C", "D"] if sampled else ["a", "b", "c", "d"]
-    _publish(store, job, 2, second, finish=True)
+    tokens = {"sampled": ["A", "B", "C", "D"], "same": ["a", "b", "c", "d"], "diverging": ["a", "b", "X", "Y"]}[second]
+    _publish(store, job, 2, tokens, finish=True)
     store.finish(job, JobStatus.succeeded, fence=2)
 
-    rest = [e for e in reader if e is not None]
-    late = [e for e in follow(store.r, [job], store.get, {job: "1"}) if e is not None]
-    if sampled:
-        # Told to start over, then the second attempt alone, with ids that name it.
-        assert isinstance(rest[0][1], Restart) and rest[0][1].attempt == 2
-        assert [e.text for _, e in rest[1:]] == ["A", "B", "C", "D", ""]
-        assert [e.event_id for _, e in rest[1:]] == ["2:0", "2:1", "2:2", "2:3", "2:4"]
-        # A reader resuming from the first attempt's id 1 is told so too.
-        assert isinstance(late[0][1], Restart) and [e.text for _, e in late[1:]] == second + [""]
+    rest = [e for _, e in (item for item in reader if item is not None)]
+    late = [e for _, e in (item for item in follow(store.r, [job], store.get, {job: "1"}) if item is not None)]
+    assert not any(isinstance(e, StreamEnd) for e in rest + late)
+    if second == "same":
+        # The same tokens again: the reader skips what it has and sees no seam.
+        assert [e.text for e in rest] == ["d", ""]
     else:
-        # Greedy: the same tokens again; the reader skips what it has and sees no seam.
-        assert [e.text for _, e in rest] == ["d", ""]
-        assert [e.text for _, e in late] == ["c", "d", ""]
-    assert not any(isinstance(e, StreamEnd) for _, e in rest + late)
+        # Told to start over, then the second attempt alone, with ids that name it: never
+        # "abc" followed by the new attempt's "XY" or "D".
+        assert isinstance(rest[0], Restart) and rest[0].attempt == 2
+        assert [e.text for e in rest[1:]] == tokens + [""]
+        assert [e.event_id for e in rest[1:]] == ["2:0", "2:1", "2:2", "2:3", "2:4"]
+    # A reader resuming from the first attempt's id 1 has no tokens of it to compare with
+    # (the stream holds the second attempt's only): it is told to start over too.
+    assert isinstance(late[0], Restart) and [e.text for e in late[1:]] == tokens + [""]
+    # One resuming within the second attempt goes on from its id.
+    again = [e for _, e in (item for item in follow(store.r, [job], store.get, {job: "2:1"}) if item is not None)]
+    assert [e.text for e in again] == tokens[2:] + [""]
 
 
 def test_two_workers_sweeping_one_dead_worker_recover_each_job_once(store, redis_url):

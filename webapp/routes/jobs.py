@@ -55,8 +55,9 @@ def stream_job(job_id: str):
     """A job's tokens as server-sent events.
 
     SSE: `token` events `{"index", "text"}`, then `done` `{"text", "finish_reason", "usage"}`
-    (both with `logprobs` for a job that asked for them) or `error`; `restart` when a sampled
-    job started over after its worker died. Event ids are token indexes (`attempt:index` after
+    (both with `logprobs` for a job that asked for them) or `error`; `restart` when a job
+    started over after its worker died with other tokens than those sent (the new attempt's
+    follow from its first). Event ids are token indexes (`attempt:index` after
     a restart); `Last-Event-ID` resumes after one."""
     service = current_service()
     service.require_job(job_id, auth.owner_name())
