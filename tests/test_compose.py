@@ -297,7 +297,8 @@ def test_api_keys_from_a_file_mounted_as_a_secret(compose, services):
 # Settings compose fixes for its own network; every other one reaches the containers.
 FIXED = {"REDIS_URL", "GENQ_HOST", "GENQ_PORT", "GENQ_METRICS_PORT", "GENQ_METRICS_HOST"}
 # make run's alone.
-NOT_IN_CONTAINERS = {"GENQ_DATA_DIR"}
+# make run only: compose has its own Flower service (the `flower` profile).
+NOT_IN_CONTAINERS = {"GENQ_DATA_DIR", "GENQ_FLOWER"}
 
 
 def test_every_setting_reaches_the_containers_from_env_or_dotenv(services):
