@@ -322,17 +322,22 @@ def _remember_connparams() -> None:
     kombu_redis.Channel._genq_remembers_connparams = True
 
 
+_running_tags: Callable[[], Collection[str]] = frozenset
+
+
 def guard_restores(running_tags: Callable[[], Collection[str]]) -> None:
     """Make kombu's restore of a closed channel's unacknowledged messages (its Redis QoS)
     wait for Redis instead of raising, and skip the messages of jobs still running here; and
     let a closed channel reach Redis (`_remember_connparams`)."""
+    global _running_tags
+    _running_tags = running_tags  # the latest caller's: the patch below is made once
     _remember_connparams()
     original = kombu_redis.QoS.restore_unacked
     if getattr(original, "genq_guarded", False):
         return
 
     def restore_unacked(self, client=None):
-        keep = set(running_tags())
+        keep = set(_running_tags())
         for tag in [t for t in self._delivered if t in keep]:
             self._delivered.pop(tag, None)
         deadline = time.monotonic() + RESTORE_WAIT_S
