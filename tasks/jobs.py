@@ -26,8 +26,10 @@ from tasks.schemas import JobSpec, JobStatus
 # KEYS: record, done stream, token stream. ARGV: to, allowed (comma list), TTL if final else '',
 # '1' to start an attempt, the attempt the caller holds ('' = none: the API), worker, delivery
 # tag, max attempts, then field/value pairs to set.
-# Returns {moved, previous status, attempt}; moved is 0 (not allowed or fenced), 1, or 2 (an
-# attempt was due but the job had used up its attempts: it is now failed, worker_lost).
+# Returns {moved, previous status, attempt, forgiven}; moved is 0 (not allowed or fenced), 1,
+# or 2 (an attempt was due but the job had used up its attempts: it is now failed,
+# worker_lost). Attempts its worker was lost on beside other jobs are `forgiven`
+# (worker/recovery.py): they do not count against the maximum.
 _TRANSITION = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return false end
@@ -36,12 +38,13 @@ for s in string.gmatch(ARGV[2], '[^,]+') do
   if s == cur then allowed = true end
 end
 local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
-if not allowed then return {0, cur, attempts} end
-if ARGV[5] ~= '' and tonumber(ARGV[5]) ~= attempts then return {0, cur, attempts} end
+local forgiven = tonumber(redis.call('HGET', KEYS[1], 'forgiven') or '0')
+if not allowed then return {0, cur, attempts, forgiven} end
+if ARGV[5] ~= '' and tonumber(ARGV[5]) ~= attempts then return {0, cur, attempts, forgiven} end
 local id = redis.call('HGET', KEYS[1], 'id')
 local worker = redis.call('HGET', KEYS[1], 'worker')
 local to, ttl, moved = ARGV[1], ARGV[3], 1
-if ARGV[4] == '1' and cur == 'running' and attempts >= tonumber(ARGV[8]) then
+if ARGV[4] == '1' and cur == 'running' and attempts - forgiven >= tonumber(ARGV[8]) then
   to, ttl, moved = 'failed', ARGV[9], 2
   redis.call('HSET', KEYS[1], 'error', ARGV[10], 'finished', ARGV[11])
 end
@@ -70,7 +73,7 @@ if ttl ~= '' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'status', to)
   redis.call('EXPIRE', KEYS[2], ttl)
 end
-return {moved, cur, attempts}
+return {moved, cur, attempts, forgiven}
 """
 
 # _TRANSITION to succeeded, with the job's result written in the same call: the result
@@ -135,6 +138,16 @@ RESULT_RAW = "\0result-raw"
 MAX_BLOCK_S = 3.0
 
 
+# Marks the attempt of a job that runs alone on its worker, once it is in the engine: a worker
+# lost then was lost to it. KEYS: the record. ARGV: the attempt (only while it is the current).
+_SOLO = """
+if redis.call('HGET', KEYS[1], 'attempts') == ARGV[1] then redis.call('HSET', KEYS[1], 'solo', ARGV[1]) end
+"""
+
+# A job whose worker was lost beside other jobs this many times (forgiven attempts) runs alone
+# from then on (worker/tasks.py), so that a worker lost while it runs is charged to it alone.
+SOLO_AFTER_FORGIVEN = 2
+
 WORKER_LOST = "worker_lost"
 EXPIRED = {"code": "expired", "message": "the job's deadline passed while it waited; it did not run"}
 
@@ -142,8 +155,8 @@ EXPIRED = {"code": "expired", "message": "the job's deadline passed while it wai
 def worker_lost(attempts: int) -> dict[str, str]:
     return {
         "code": WORKER_LOST,
-        "message": f"the job's worker died or hung on each of its {attempts} attempts; "
-        "it is not tried again (GENQ_MAX_ATTEMPTS)",
+        "message": f"the job's worker died or hung on {attempts} attempts that count (those lost "
+        "beside other running jobs do not); it is not tried again (GENQ_MAX_ATTEMPTS)",
     }
 
 
@@ -159,12 +172,14 @@ class QuotaExceeded(Exception):
 class Attempt:
     """What starting a job's attempt found: `run` it (as attempt number `number`), or not,
     because the job was `prev` (cancelled, final, expired: None) or had used up its attempts
-    (`exhausted`: it is now failed)."""
+    (`exhausted`: it is now failed). `solo`: it runs alone on its worker (it was forgiven
+    SOLO_AFTER_FORGIVEN attempts: lost beside other jobs that often)."""
 
     run: bool
     prev: JobStatus | None
     number: int
     exhausted: bool = False
+    solo: bool = False
 
 
 class JobStore:
@@ -178,6 +193,7 @@ class JobStore:
         self._transition = client.register_script(_TRANSITION)
         self._create = client.register_script(_CREATE)
         self._succeed = client.register_script(_SUCCEED)
+        self._solo = client.register_script(_SOLO)
 
     def create(
         self,
@@ -266,7 +282,7 @@ class JobStore:
         tag: str = "",
         _result: tuple[str | bytes, str | bytes, int] | None = None,
         **fields: Any,
-    ) -> tuple[int, JobStatus | None, int]:
+    ) -> tuple[int, JobStatus | None, int, int]:
         flat: list[str] = []
         for k, v in fields.items():
             flat += [k, v if isinstance(v, str) else json.dumps(v)]
@@ -292,16 +308,16 @@ class JobStore:
             ],
         )
         if res is None:
-            return 0, None, 0
-        moved, prev, attempt = res
-        return int(moved), JobStatus(prev.decode() if isinstance(prev, bytes) else prev), int(attempt)
+            return 0, None, 0, 0
+        moved, prev, attempt, forgiven = res
+        return int(moved), JobStatus(prev.decode() if isinstance(prev, bytes) else prev), int(attempt), int(forgiven)
 
     def transition(
         self, job_id: str, to: JobStatus, allowed: tuple[JobStatus, ...], fence: int | None = None, **fields: Any
     ) -> tuple[bool, JobStatus | None]:
         """Move a job to `to` if its status is one of `allowed` and, when `fence` is given, it
         is still on attempt `fence`; return (moved, previous)."""
-        moved, prev, _ = self._move(job_id, to, allowed, fence, **fields)
+        moved, prev, _, _ = self._move(job_id, to, allowed, fence, **fields)
         return moved == 1, prev
 
     def start(self, job_id: str, worker: str, tag: str) -> Attempt:
@@ -310,10 +326,15 @@ class JobStore:
         `running` is allowed as a source: the job is delivered again after its worker died.
         A job that already used up its attempts fails instead (a poison job must not take
         down one worker after another)."""
-        moved, prev, number = self._move(
+        moved, prev, number, forgiven = self._move(
             job_id, JobStatus.running, ACTIVE, worker=worker, tag=tag, started=repr(time.time())
         )
-        return Attempt(run=moved == 1, prev=prev, number=number, exhausted=moved == 2)
+        return Attempt(run=moved == 1, prev=prev, number=number, exhausted=moved == 2,
+                       solo=forgiven >= SOLO_AFTER_FORGIVEN)
+
+    def mark_solo(self, job_id: str, attempt: int) -> None:
+        """Record that `attempt`, which runs alone on its worker, is now in the engine."""
+        self._solo(keys=[keys.job(job_id)], args=[attempt])
 
     def finish(
         self,
@@ -337,7 +358,7 @@ class JobStore:
         seconds, 0 = no expiry) and mark the job succeeded, in one call, both only while
         `attempt` is the job's current one (the status also only from queued or running).
         Returns whether the status moved."""
-        moved, _, _ = self._move(job_id, JobStatus.succeeded, ACTIVE, attempt,
+        moved, _, _, _ = self._move(job_id, JobStatus.succeeded, ACTIVE, attempt,
                                  _result=(result_key, value, int(expires or 0)), finished=repr(time.time()))
         return moved == 1
 
@@ -357,9 +378,11 @@ class JobStore:
         self.expire(rec["id"])
         return self.get(rec["id"])
 
-    def give_up(self, job_id: str, attempt: int) -> bool:
-        """Fail a running job whose worker died on its last allowed attempt."""
-        moved, _ = self.finish(job_id, JobStatus.failed, worker_lost(attempt), fence=attempt)
+    def give_up(self, job_id: str, attempt: int, counted: int | None = None) -> bool:
+        """Fail a running job whose worker died on its last allowed attempt (`attempt`, of
+        which `counted` count against the maximum: all by default)."""
+        error = worker_lost(attempt if counted is None else counted)
+        moved, _ = self.finish(job_id, JobStatus.failed, error, fence=attempt)
         return moved
 
     def cancel(self, job_id: str) -> tuple[bool, JobStatus | None]:
@@ -416,6 +439,7 @@ def decode_record(rec: dict[str, str]) -> dict[str, Any]:
         "model": rec["model"],
         "status": rec["status"],
         "attempts": int(rec.get("attempts", 0)),
+        "attempts_forgiven": int(rec.get("forgiven") or 0),
         "priority": int(rec.get("priority") or 0),
         "deadline": float(rec["deadline"]) if rec.get("deadline") else None,
         "timings": timings,

@@ -371,6 +371,73 @@ def test_a_job_that_kills_every_worker_fails_after_max_attempts(make_stack):
     assert resp.status_code == 200
 
 
+@pytest.mark.timeout(150)
+def test_innocent_jobs_beside_a_poison_job_are_not_charged_for_it(make_stack, redis_url):
+    """GENQ_MAX_ATTEMPTS=3; a poison job, whose worker is SIGKILLed whenever it generates (as a
+    job that crashes its worker), and six innocent jobs beside it, one worker at a time (a
+    fresh one after each kill). Its first deaths, shared with the innocent jobs, are forgiven
+    to all; then every one of them runs alone, and the poison job is charged for each worker it
+    kills alone: it fails worker_lost, and every innocent job succeeds, its successful run the
+    only one that counts. (Before: every job was charged for every death, and the innocent
+    ones failed worker_lost with it.)"""
+    from worker.engines.sim import sim_tokens
+
+    s = make_stack(GENQ_ENGINE="sim", GENQ_SIM_STEP_MS="20", GENQ_MAX_BATCH_SIZE="8", GENQ_MAX_ATTEMPTS="3")
+    s.start_api()  # no worker yet: all seven wait, and the first worker starts them together
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    n = 100  # 2 s a job at 20 ms a step: the innocent ones still run when the poison one generates
+    poison = submit(s, prompt="poison pill", max_new_tokens=n)
+    prompts = [f"innocent {i} job" for i in range(6)]
+    innocents = [submit(s, prompt=p, max_new_tokens=n) for p in prompts]
+    kills = []
+    try:
+        worker = s.start_worker()
+        while r.hget(keys.job(poison), "status") != "failed":
+            mark = f"-{worker.pid}@"
+
+            def generating() -> bool:
+                rec = r.hgetall(keys.job(poison))
+                if rec.get("status") == "failed":
+                    return True
+                # The stream holds this attempt's tokens only (emptied when it started).
+                started_here = rec.get("status") == "running" and mark in rec.get("worker", "")
+                if not (started_here and any("i" in f for _, f in r.xrange(keys.stream(poison)))):
+                    return False
+                # And every innocent job not done has started here too: a worker killed
+                # between receiving a re-delivered job and starting it leaves it to the
+                # visibility timeout (the reconciler looks only for queued ones), which is
+                # another matter than this test's.
+                others = [r.hgetall(keys.job(j)) for j in innocents]
+                return all(o["status"] == "succeeded" or mark in o.get("worker", "") for o in others)
+
+            stackmod.wait_until(generating, 60, f"the poison job to generate (kill {len(kills) + 1})", s.procs)
+            if r.hget(keys.job(poison), "status") == "failed":
+                break
+            beside = [j for j in innocents if mark in (r.hget(keys.job(j), "worker") or "")
+                      and r.hget(keys.job(j), "status") == "running"]
+            worker.signal(signal.SIGKILL)
+            worker.popen.wait(10)
+            s.procs.remove(worker)
+            kills.append(beside)
+            assert len(kills) <= 8, "the poison job was never charged"
+            worker = s.start_worker()
+        recs = _wait_final(s, [poison, *innocents], 60)
+        state = _broker_state(redis_url, {j: v for j, v in recs.items() if j != poison})
+    finally:
+        r.close()
+    bad = recs[poison]
+    assert bad["status"] == "failed" and bad["error"]["code"] == "worker_lost", bad
+    assert bad["attempts"] - bad["attempts_forgiven"] == 3 and "3 attempts" in bad["error"]["message"], bad
+    assert bad["attempts"] == len(kills)
+    assert len(kills[0]) == 6, "the innocent jobs were not running beside the poison one"
+    for prompt, job in zip(prompts, innocents):
+        rec = recs[job]
+        assert rec["status"] == "succeeded", (rec, state)
+        assert rec["result"]["text"] == "".join(sim_tokens(prompt, n))
+        assert rec["attempts"] - rec["attempts_forgiven"] == 1, rec  # only its successful run counts
+        assert rec["attempts"] >= 2  # it was lost with the poison job at least once
+
+
 def test_the_queue_cap_is_exact_under_concurrent_submissions(make_stack):
     s = make_stack(GENQ_MAX_QUEUE_DEPTH="50", GENQ_API_WORKERS="2")
     s.start_api()  # no worker: everything accepted stays queued

@@ -34,7 +34,10 @@ class JobView(BaseModel):
     id: str
     model: str
     status: JobStatus
-    attempts: int
+    attempts: int = Field(description="runs started, the current one included")
+    attempts_forgiven: int = Field(
+        0, description="runs whose worker was lost beside other running jobs: not counted against GENQ_MAX_ATTEMPTS"
+    )
     priority: int = Field(description="lower is served first")
     deadline: float | None = Field(description="unix time")
     timings: JobTimings

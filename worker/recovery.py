@@ -18,7 +18,14 @@ must stay above the longest job (20 minutes by default). genqueue does not wait 
 - the restored message gets a fresh delivery tag: when a hung worker wakes up and acknowledges
   its old tag, that cannot remove the new delivery's entry from `unacked`;
 - a job that has used up `GENQ_MAX_ATTEMPTS` is not restored but fails (`worker_lost`): a job
-  that kills every worker it meets must not take the whole fleet down.
+  that kills every worker it meets must not take the whole fleet down;
+- a lost worker's jobs are not all charged for it (`forgive`): only a job that ran alone on
+  it is, the one that was its only job in flight or the one running alone (below); when
+  several ran together, none is: each is restored with that attempt forgiven (the record's
+  `forgiven`, which GENQ_MAX_ATTEMPTS does not count). A job forgiven SOLO_AFTER_FORGIVEN
+  times runs alone from then on (worker/tasks.py: its worker starts no other job beside it,
+  and it waits for those running to end; the record's `solo` says once it runs): a job that
+  kills its worker soon runs alone and is charged, and the innocent jobs beside it never are.
 
 A message can also be lost outright, or a job's record and its message can disagree, when
 Redis restarts or its connection drops at the wrong moment: kombu pops a message (BRPOP) and
@@ -108,24 +115,46 @@ class Reaper:
 
     def recover(self, worker: str) -> int:
         inflight = self.store.r.hgetall(keys.inflight(worker))
+        forgiven = self.forgive(inflight)
         restored = 0
         for job_id, tag in inflight.items():
-            restored += self._recover_job(keys.inflight(worker), job_id, tag)
+            restored += self._recover_job(keys.inflight(worker), job_id, tag, job_id in forgiven)
         if inflight:
             log.warning("worker %s stopped answering; %d of its %d jobs restored to their queues",
                         worker, restored, len(inflight))
         return restored
 
-    def restore(self, job_id: str, tag: str, status: JobStatus = JobStatus.running) -> bool:
+    def forgive(self, inflight: dict[str, str]) -> set[str]:
+        """Which of a lost worker's in-flight jobs are not charged for it: none if it had one
+        job in flight; if one of them was running alone (its `solo` attempt is the current
+        one), the others (they waited for it); else all of them."""
+        if len(inflight) <= 1:
+            return set()
+        pipe = self.store.r.pipeline(transaction=False)
+        for job_id in inflight:
+            pipe.hmget(keys.job(job_id), "attempts", "solo")
+        alone = {job_id for job_id, (attempts, solo) in zip(inflight, pipe.execute()) if solo and solo == attempts}
+        return set(inflight) - alone
+
+    def _exhausted(self, rec: dict[str, str], forgive: bool) -> tuple[bool, int]:
+        """Whether a running job whose worker was lost has used up its attempts, and how many
+        of them count (this one not, if it is forgiven)."""
+        counted = int(rec.get("attempts", 0)) - int(rec.get("forgiven") or 0) - forgive
+        return counted >= self.store.max_attempts, counted
+
+    def restore(self, job_id: str, tag: str, status: JobStatus = JobStatus.running, forgive: bool = False) -> bool:
         """Put one job's unacknowledged message back in its queue if the job is still `status`
         (running: its worker is lost; queued: its worker received it and never started it),
-        or fail the job if it is out of attempts. False when there was nothing to restore."""
+        or fail the job if it is out of attempts. `forgive`: this attempt does not count
+        against them (`forgive`). False when there was nothing to restore."""
         rec = self.store.get(job_id)
         running = rec is not None and rec["status"] == status.value
         attempts = int(rec.get("attempts", 0)) if rec else 0
-        exhausted = status is JobStatus.running and running and attempts >= self.store.max_attempts
-        if exhausted and self.store.give_up(job_id, attempts):
-            log.warning("job %s failed: its worker was lost on each of %d attempts", job_id, attempts)
+        forgive = forgive and status is JobStatus.running
+        exhausted, counted = self._exhausted(rec, forgive) if running else (False, 0)
+        exhausted = status is JobStatus.running and exhausted
+        if exhausted and self.store.give_up(job_id, attempts, counted):
+            log.warning("job %s failed: its worker was lost on %d of its attempts that count", job_id, counted)
         channel = self._channel()
 
         def move(pipe):
@@ -136,6 +165,8 @@ class Reaper:
                 payload, exchange, routing_key = loads(raw)
                 payload["properties"]["delivery_tag"] = str(uuid.uuid4())
                 channel._do_restore_message(payload, exchange, routing_key, pipe, leftmost=False)
+                if forgive:
+                    pipe.hincrby(keys.job(job_id), "forgiven", 1)
             return bool(raw)
 
         with channel.conn_or_acquire() as client:
@@ -156,8 +187,10 @@ class Reaper:
                     if job_id not in mine:
                         adrift[job_id] = lambda j=job_id, t=tag, k=key: self._recover_one(k, j, t)
             elif worker not in live:
-                for job_id, tag in self.store.r.hgetall(key).items():
-                    adrift[job_id] = lambda j=job_id, t=tag, k=key: self._recover_one(k, j, t)
+                inflight = self.store.r.hgetall(key)
+                forgiven = self.forgive(inflight)
+                for job_id, tag in inflight.items():
+                    adrift[job_id] = lambda j=job_id, t=tag, k=key, f=job_id in forgiven: self._recover_one(k, j, t, f)
         if self.queue:
             for job_id, tag in self._stuck(self.queue).items():
                 if tag is None:
@@ -171,11 +204,11 @@ class Reaper:
         self._adrift = set(adrift)
         return done
 
-    def _recover_one(self, inflight_key: str, job_id: str, tag: str) -> bool:
+    def _recover_one(self, inflight_key: str, job_id: str, tag: str, forgive: bool = False) -> bool:
         log.warning("job %s is in flight on no running worker; recovering it", job_id)
-        return self._recover_job(inflight_key, job_id, tag)
+        return self._recover_job(inflight_key, job_id, tag, forgive)
 
-    def _recover_job(self, inflight_key: str, job_id: str, tag: str) -> bool:
+    def _recover_job(self, inflight_key: str, job_id: str, tag: str, forgive: bool = False) -> bool:
         """Restore (or, if its message is gone, publish again) one job a lost worker had in
         flight, and take it off that worker's in-flight hash.
 
@@ -191,7 +224,7 @@ class Reaper:
         try:
             if not self.store.r.hexists(inflight_key, job_id):
                 return False
-            found = self.restore(job_id, tag) or self.republish(job_id, JobStatus.running)
+            found = self.restore(job_id, tag, forgive=forgive) or self.republish(job_id, JobStatus.running, forgive)
             self.store.r.hdel(inflight_key, job_id)
             return found
         finally:
@@ -243,16 +276,18 @@ class Reaper:
             held[_message_id(loads(raw)[0])] = (tag, times.get(tag, 0.0))
         return listed, held
 
-    def republish(self, job_id: str, status: JobStatus) -> bool:
+    def republish(self, job_id: str, status: JobStatus, forgive: bool = False) -> bool:
         """Publish a job's message again from its record, if the record is still `status`
-        (and has attempts left) and its message is nowhere on its queue."""
+        (and has attempts left, this one not counted if `forgive`) and its message is nowhere
+        on its queue."""
         rec = self.store.get(job_id)
         if rec is None or rec["status"] != status.value:
             return False
-        if status is JobStatus.running and int(rec.get("attempts", 0)) >= self.store.max_attempts:
-            attempts = int(rec.get("attempts", 0))
-            if self.store.give_up(job_id, attempts):
-                log.warning("job %s failed: its worker was lost on each of %d attempts", job_id, attempts)
+        forgive = forgive and status is JobStatus.running
+        exhausted, counted = self._exhausted(rec, forgive)
+        if status is JobStatus.running and exhausted:
+            if self.store.give_up(job_id, int(rec.get("attempts", 0)), counted):
+                log.warning("job %s failed: its worker was lost on %d of its attempts that count", job_id, counted)
             return False
         spec = self.store.spec(rec)
         if spec is None:
@@ -265,6 +300,8 @@ class Reaper:
         if job_id in listed or job_id in unacked:
             return False
         publish_job(self.app, spec, rec["queue"])
+        if forgive:
+            self.store.r.hincrby(keys.job(job_id), "forgiven", 1)
         log.warning("job %s (%s) had lost its message; published it again", job_id, status.value)
         return True
 

@@ -24,13 +24,14 @@ from celery.signals import task_postrun, task_revoked
 
 from tasks import keys
 from tasks.celery_app import GENERATE_TASK, TOKENIZE_TASK
-from tasks.jobs import ACTIVE, JobStore
-from tasks.schemas import JobSpec, JobStatus
+from tasks.jobs import ACTIVE, Attempt, JobStore
+from tasks.schemas import GenerationResult, JobSpec, JobStatus
 from worker.engines import Engine, GenerationError
 from worker.chat import Chat
 from worker.engines.base import JobCancelled
 from worker import metrics
 from worker.publisher import StreamPublisher
+from worker.solo import Gate
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class Runtime:
         # The jobs this process is running (or about to start): job id -> delivery tag.
         # Recovery compares it with the in-flight hash Redis holds for this worker.
         self.running: dict[str, str] = {}
+        # Into the engine together, or a solo job alone (worker/solo.py).
+        self.gate = Gate()
 
 
 runtime = Runtime()
@@ -84,26 +87,15 @@ def register(app: Celery) -> None:
         if publisher is not None and spec.stream:
             publisher.attempts[spec.id] = attempt.number
         try:
-            if runtime.chat is not None:
-                spec = runtime.chat.prompt_of(spec)  # a chat job's prompt: its messages rendered
-            future = runtime.engine.submit(spec)
-            while True:
-                try:
-                    result = future.result(timeout=CANCEL_POLL_S)
-                    break
-                except FutureTimeout:
-                    try:
-                        rec = runtime.store.get(spec.id)
-                    except redis.RedisError:
-                        continue  # Redis is away; the job goes on, the next look may work
-                    if rec is None or rec["status"] == JobStatus.cancelled.value:
-                        runtime.engine.cancel(spec.id)
-                    elif int(rec.get("attempts", 0)) != attempt.number:
-                        # Given up for dead while it hung; the job runs elsewhere now.
-                        log.warning("job %s attempt %d superseded; dropping it", spec.id, attempt.number)
-                        runtime.engine.cancel(spec.id)
-                except JobCancelled:
-                    raise Ignore() from None
+            if not runtime.gate.enter(attempt.solo, lambda: _still_ours(spec.id, attempt.number), CANCEL_POLL_S):
+                log.info("job %s attempt %d cancelled or superseded before it ran", spec.id, attempt.number)
+                raise Ignore()
+            try:
+                if attempt.solo:
+                    _mark_solo(spec.id, attempt.number)
+                result = _run(spec, attempt)
+            finally:
+                runtime.gate.leave(attempt.solo)
         finally:
             if publisher is not None:
                 publisher.attempts.pop(spec.id, None)
@@ -126,6 +118,47 @@ def register(app: Celery) -> None:
     app.backend.succeed = lambda *args: runtime.store.succeed(*args)
     task_postrun.connect(_record_outcome, weak=False)
     task_revoked.connect(_record_expiry, weak=False)
+
+
+def _run(spec: JobSpec, attempt: Attempt) -> GenerationResult:
+    """Hand the job to the engine and wait for it, looking for a cancellation meanwhile."""
+    if runtime.chat is not None:
+        spec = runtime.chat.prompt_of(spec)  # a chat job's prompt: its messages rendered
+    future = runtime.engine.submit(spec)
+    while True:
+        try:
+            return future.result(timeout=CANCEL_POLL_S)
+        except FutureTimeout:
+            try:
+                rec = runtime.store.get(spec.id)
+            except redis.RedisError:
+                continue  # Redis is away; the job goes on, the next look may work
+            if rec is None or rec["status"] == JobStatus.cancelled.value:
+                runtime.engine.cancel(spec.id)
+            elif int(rec.get("attempts", 0)) != attempt.number:
+                # Given up for dead while it hung; the job runs elsewhere now.
+                log.warning("job %s attempt %d superseded; dropping it", spec.id, attempt.number)
+                runtime.engine.cancel(spec.id)
+        except JobCancelled:
+            raise Ignore() from None
+
+
+def _still_ours(job_id: str, attempt: int) -> bool:
+    """Whether a job waiting to go into the engine should still run: neither cancelled nor
+    given to another attempt meanwhile (True while Redis cannot say)."""
+    try:
+        rec = runtime.store.get(job_id)
+    except redis.RedisError:
+        return True
+    return rec is not None and rec["status"] == JobStatus.running.value and int(rec.get("attempts", 0)) == attempt
+
+
+def _mark_solo(job_id: str, attempt: int) -> None:
+    log.warning("job %s attempt %d runs alone: its workers were lost beside other jobs before", job_id, attempt)
+    try:
+        runtime.store.mark_solo(job_id, attempt)
+    except redis.RedisError as exc:
+        log.warning("could not mark job %s as running alone: %s", job_id, exc)
 
 
 def _record_expiry(sender=None, request=None, expired=False, **_):
