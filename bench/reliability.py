@@ -8,6 +8,8 @@ Each scenario gets a stack of its own (`--only` picks them):
   mid-batch; a stopped worker gets SIGCONT once every job is done (nothing may change then);
 - redis: Redis (append-only, as `make run`'s) SIGKILLed with jobs queued and running, the API
   probed while it is down, restarted on its port and data dir;
+- sentinel: Redis Sentinel (a master, a replica, three sentinels), the master SIGKILLed with jobs
+  queued and running and a client submitting; once without, once with `min-replicas-to-write 1`;
 - poison: GENQ_MAX_ATTEMPTS=3; whichever worker runs the job is SIGKILLed and replaced.
 
 Logs and results.json: bench/out/reliability-<timestamp>/.
@@ -63,10 +65,11 @@ class Plan:
     outage_s: float
     poison_tokens: int
     beat: dict
+    sentinel_tokens: int  # long enough that jobs still run when the master dies
 
 
-FULL = Plan(40, 64, 50, 200, 5.0, 480, DEFAULT_BEAT)
-QUICK = Plan(16, 32, 16, 64, 2.0, 480, QUICK_BEAT)
+FULL = Plan(40, 64, 50, 200, 5.0, 480, DEFAULT_BEAT, 400)
+QUICK = Plan(16, 32, 16, 64, 2.0, 480, QUICK_BEAT, 200)
 
 
 log = make_log("reliability")
@@ -364,6 +367,114 @@ def redis_restart(procs: Processes, outdir: Path, plan: Plan) -> dict:
         shutil.rmtree(data, ignore_errors=True)
 
 
+def _outage(answers: list[tuple[float, int]], ok: int) -> tuple[float | None, float | None]:
+    """(time of the first answer other than `ok`, time of the first `ok` after it)."""
+    bad = next((t for t, c in answers if c != ok), None)
+    back = next((t for t, c in answers if bad is not None and t > bad and c == ok), None)
+    return bad, back
+
+
+def sentinel_failover(procs: Processes, plan: Plan, min_replicas: int) -> dict:
+    """Redis Sentinel (scripts/stack.py `SentinelRedis`: a master, a replica, three sentinels,
+    down-after 1 s); two workers and the API know only the sentinels. Jobs queued and running,
+    a client submitting short jobs all along; the master SIGKILLed; the API probed until it
+    serves and takes jobs again. `min_replicas`: the master's `min-replicas-to-write`."""
+    import threading
+
+    from tasks import redis_conn
+    from tasks.config import Settings
+
+    other = OtherLoad()
+    sen = stack.SentinelRedis(min_replicas_to_write=min_replicas)
+    procs.items.insert(0, sen)  # stopped after the processes that use it
+    env = {**plan.beat, "GENQ_REDIS_SENTINELS": sen.sentinels_env, "GENQ_REDIS_MASTER": sen.master_name}
+    fleet = Fleet(procs, "redis://127.0.0.1:1/0", f"sentinel{min_replicas}", env)  # REDIS_URL: nowhere
+    fleet.r.close()
+    fleet.r = redis_conn.client(Settings(redis_sentinels=sen.sentinels_env, redis_master=sen.master_name),
+                                decode_responses=True, socket_timeout=5)
+    out: dict = {"min_replicas_to_write": min_replicas, "jobs": plan.redis_jobs, "tokens": plan.sentinel_tokens}
+    accepted: list[tuple[float, str]] = []  # (monotonic time of the 202, id) of the steady client's jobs
+    posts: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def steady() -> None:
+        http = requests.Session()
+        while not stop.is_set():
+            t = time.monotonic()
+            try:
+                resp = http.post(fleet.base + "/v1/jobs", json={"prompt": "steady", "max_new_tokens": 4}, timeout=10)
+                code = resp.status_code
+                if code == 202:
+                    accepted.append((time.monotonic(), resp.json()["id"]))
+            except (requests.RequestException, ValueError):
+                code = 0
+            posts.append((t, code))
+            stop.wait(0.05)
+        http.close()
+
+    client = threading.Thread(target=steady, daemon=True)
+    try:
+        fleet.start_worker()
+        fleet.start_worker()
+        fleet.ready(2)
+        pids = [w.pid for w in fleet.workers]
+        ids = fleet.submit(prompts_for(plan.redis_jobs), plan.sentinel_tokens)
+        stack.wait_until(lambda: any(s == "running" for (s,) in fleet.fields(ids, "status")), 60, "jobs to run",
+                         [fleet.api, *fleet.workers])
+        client.start()
+        stack.wait_until(lambda: len(accepted) >= 10, 30, "the client's jobs", [fleet.api, *fleet.workers])
+        before = [s for (s,) in fleet.fields(ids, "status")]
+        out["at_kill"] = {s: before.count(s) for s in sorted(set(before))}
+        replica = sen.port("replica")
+        sen.proc("master").signal(signal.SIGKILL)
+        t_kill, t_kill_wall = time.monotonic(), time.time()
+        probes: list[tuple[float, int]] = []
+        while time.monotonic() - t_kill < 60:
+            t = time.monotonic()
+            try:
+                code = fleet.http.get(f"{fleet.base}/v1/jobs/{ids[0]}", timeout=10).status_code
+            except requests.RequestException:
+                code = 0
+            probes.append((t - t_kill, code))
+            if out.get("promoted_s") is None and sen.master_port() == replica:
+                out["promoted_s"] = time.monotonic() - t_kill
+            if code == 200 and out.get("promoted_s") is not None and any(c != 200 for _, c in probes):
+                break
+            time.sleep(0.1)
+        out["api_first_503_s"], out["api_back_s"] = _outage(probes, 200)
+        out["probe_codes"] = {str(c): sum(1 for _, c2 in probes if c2 == c) for c in sorted({c for _, c in probes})}
+        time.sleep(5.0)
+        stop.set()
+        client.join(15)
+        t_kill_post = [(t - t_kill, c) for t, c in posts]
+        out["post_codes_after_kill"] = {str(c): sum(1 for t, c2 in t_kill_post if t > 0 and c2 == c)
+                                        for c in sorted({c for t, c in t_kill_post if t > 0})}
+        out["accepting_again_s"] = _outage([(t, c) for t, c in t_kill_post if t > 0], 202)[1]
+        steady_before = [i for t, i in accepted if t < t_kill]
+        out["steady_before"] = len(steady_before)
+        out["steady_last_s_before"] = sum(1 for t, _ in accepted if t_kill - 1.0 <= t < t_kill)
+        every = ids + [i for _, i in accepted]
+        first = wait_final(fleet, every, 180)
+        recs = {i: (first[i][0] if i in first else fleet.view(i)) for i in every}
+        ok = {i for i, r in recs.items() if r.get("status") == "succeeded"}
+        lost = [{**r, "id": i, "message": fleet.message_of(i)} for i, r in recs.items() if i not in ok]
+        dup = duplicates(fleet, every, first)
+        started_after = [r["timings"]["started"] - t_kill_wall for i, r in recs.items() if i in ok
+                         and r["timings"]["started"] > t_kill_wall]
+        out.update(accepted_before=len(ids) + len(steady_before), accepted_after=len(every) - len(ids) - len(steady_before),
+                   succeeded=len(ok), lost=len(lost), lost_jobs=lost, duplicated=len(dup), duplicated_jobs=dup,
+                   attempts_over_1=sum(r.get("attempts", 0) > 1 for r in recs.values()),
+                   worker_started_s=min(started_after) if started_after else None,
+                   workers_alive=sum(w.alive() for w in fleet.workers), workers_same=[w.pid for w in fleet.workers] == pids,
+                   unrecoverable=fleet.log_count("Unrecoverable error"), probes=probes)
+        return out
+    finally:
+        stop.set()
+        out["other_load"] = other()
+        fleet.stop()
+        procs.stop(sen)
+
+
 def poison(procs: Processes, redis_url: str, plan: Plan) -> dict:
     """GENQ_MAX_ATTEMPTS=3; whichever worker runs the job is SIGKILLed and replaced, each attempt."""
     other = OtherLoad()
@@ -416,7 +527,7 @@ def _s(x, nd=1) -> str:
 def verdicts(res: dict) -> list[tuple[str, str]]:
     """(PASS/FAIL, what) for what this run's scenarios can decide."""
     faults = res["sigkill"] + res["sigstop"]
-    counted = [r for r in [res["reference"], *faults, res["redis"]] if r]
+    counted = [r for r in [res["reference"], *faults, res["redis"], *res.get("sentinel", [])] if r]
     lost, dup = (sum(r.get(k, 0) for r in counted) for k in ("lost", "duplicated"))
     ok = lambda c: "PASS" if c else "FAIL"  # noqa: E731
     out = [(ok(lost == 0), f"jobs lost: {lost}"), (ok(dup == 0), f"jobs duplicated: {dup}")]
@@ -437,6 +548,8 @@ def verdicts(res: dict) -> list[tuple[str, str]]:
 def findings(res: dict) -> list[str]:
     runs = [("reference run", res["reference"]), ("Redis restart", res["redis"])]
     runs[1:1] = [(f"{r['signal']} run {n + 1}", r) for k in ("sigkill", "sigstop") for n, r in enumerate(res[k])]
+    runs += [(f"Sentinel failover (min-replicas-to-write {r.get('min_replicas_to_write')})", r)
+             for r in res.get("sentinel", [])]
     out = []
     for label, r in runs:
         for j in (r or {}).get("lost_jobs", []):
@@ -493,6 +606,27 @@ def render(res: dict) -> str:
         L += ["", "The API's answers:", ""]
         L.append(table(["when", "request", "status", "error code", "answers", "slowest s"],
                        [[*k[:3], k[3] or "-", len(v), _s(max(x["latency_s"] for x in v), 2)] for k, v in groups.items()]))
+    if sn := res.get("sentinel"):
+        L += ["", "## Redis Sentinel failover", "",
+              f"A master, a replica and three sentinels (quorum 2, down-after 1 s, failover-timeout 5 s; "
+              "scripts/stack.py `SentinelRedis`); two workers and the API know only the sentinels "
+              f"(GENQ_REDIS_SENTINELS). {sn[0].get('jobs')} jobs of {sn[0].get('tokens')} tokens queued and running, "
+              "a client submitting 4-token jobs every 50 ms from before the kill (10 accepted) to 5 s after the API "
+              "serves again; the master SIGKILLed; `GET /v1/jobs/<id>` probed every 0.1 s. Seconds from the kill:", ""]
+        L.append(table(["min-replicas-to-write", "jobs at kill", "accepted before kill (last 1 s)", "replica promoted s",
+                        "first 503 s", "API serves again s", "POST accepted again s", "a worker starts a job s",
+                        "accepted after", "succeeded", "lost", "attempts > 1", "duplicated", "workers same pids",
+                        "other load"],
+                       [[r.get("min_replicas_to_write"), " ".join(f"{k} {v}" for k, v in (r.get("at_kill") or {}).items()),
+                         f"{r.get('accepted_before', '?')} ({r.get('steady_last_s_before', '?')})",
+                         _s(r.get("promoted_s")), _s(r.get("api_first_503_s"), 2), _s(r.get("api_back_s")),
+                         _s(r.get("accepting_again_s")), _s(r.get("worker_started_s")), r.get("accepted_after", "?"),
+                         r.get("succeeded", "?"), r.get("lost", "?"), r.get("attempts_over_1", "?"),
+                         r.get("duplicated", "?"), {True: "yes", False: "no"}.get(r.get("workers_same"), "?"),
+                         _s(r["other_load"])] for r in sn]))
+        L += ["", "The API's answers to the probe, and to the client's POSTs after the kill (status: count):", ""]
+        L += [f"- min-replicas-to-write {r.get('min_replicas_to_write')}: GET {r.get('probe_codes')}, "
+              f"POST {r.get('post_codes_after_kill')}" for r in sn]
     if po := res["poison"]:
         err = po.get("error") or {}
         L += ["", "## Poison job", "",
@@ -506,7 +640,7 @@ def render(res: dict) -> str:
 # -- main -------------------------------------------------------------------------------------
 
 
-SCENARIOS = ("reference", "sigkill", "sigstop", "redis", "poison")
+SCENARIOS = ("reference", "sigkill", "sigstop", "redis", "sentinel", "poison")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -569,12 +703,20 @@ def main(argv: list[str] | None = None) -> int:
         if "redis" in args.only:
             log(f"Redis restart: {plan.redis_jobs} jobs x {plan.redis_tokens} tokens, one worker")
             res["redis"] = _guarded(res["errors"], "Redis restart", redis_restart, procs, outdir, plan)
+        for m in (0, 1) if "sentinel" in args.only else ():
+            log(f"Sentinel failover, min-replicas-to-write {m}: {plan.redis_jobs} jobs x {plan.sentinel_tokens} tokens, "
+                "two workers")
+            r = _guarded(res["errors"], f"Sentinel failover (min-replicas-to-write {m})", sentinel_failover, procs, plan, m)
+            r.setdefault("min_replicas_to_write", m)
+            res["sentinel"].append(r)
+            log(f"  API back {_s(r.get('api_back_s'))} s after the kill, lost {r.get('lost')}, "
+                f"duplicated {r.get('duplicated')}")
         if "poison" in args.only:
             log("poison job")
             res["poison"] = _guarded(res["errors"], "poison job", poison, procs, db.url, plan)
 
     res = run_bench("bench.reliability", args, argv, measure, out_prefix="reliability-", log=log, plan=asdict(plan),
-                    errors=[], sigkill=[], sigstop=[], reference=None, redis=None, poison=None)
+                    errors=[], sigkill=[], sigstop=[], reference=None, redis=None, sentinel=[], poison=None)
     if publish(res, args, render, INTRO, MARKER, log):
         return 130
     failed = [s for v, s in verdicts(res) if v != "PASS"]

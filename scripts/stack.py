@@ -1,5 +1,8 @@
 """Start and stop genqueue's processes: Redis (when needed), workers and the API.
 
+With GENQ_REDIS_SENTINELS set, `make run` starts no Redis: every process finds the master
+through the sentinels (tasks/redis_conn.py).
+
 `make run` calls `python -m scripts.stack`; the tests use the same pieces, so the stack they
 exercise is the one a user starts. docker-compose.yml runs the same two commands.
 
@@ -266,6 +269,92 @@ class PrivateRedis:
             self._lock.close()
 
 
+class SentinelRedis:
+    """Redis Sentinel on loopback, throw-away (tests/test_sentinel.py, bench.reliability's
+    failover): a master, a replica of it and `sentinels` sentinels (`redis-server <conf>
+    --sentinel`) monitoring it as `master_name`, each on a free port with its files in
+    one temp dir. `sentinels_env` is GENQ_REDIS_SENTINELS. `min_replicas_to_write` goes to the
+    master only (a promoted replica has no replica of its own and must still take writes)."""
+
+    def __init__(self, master_name: str = "genq", sentinels: int = 3, quorum: int = 2, min_replicas_to_write: int = 0,
+                 down_after_ms: int = 1000, failover_timeout_ms: int = 5000) -> None:
+        self.master_name, self.quorum = master_name, quorum
+        self.dir = tempfile.mkdtemp(prefix="genq-sentinel-")
+        self.servers: dict[str, tuple[int, Proc]] = {}
+        self.sentinels: list[tuple[int, Proc]] = []
+        try:
+            extra = ["--min-replicas-to-write", str(min_replicas_to_write), "--min-replicas-max-lag", "10"]
+            self._server("master", extra if min_replicas_to_write else [])
+            self._server("replica", ["--replicaof", "127.0.0.1", str(self.port("master"))])
+            for n in range(sentinels):
+                port = free_port()
+                conf = Path(self.dir) / f"sentinel{n}.conf"
+                conf.write_text(
+                    f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                    f"sentinel monitor {master_name} 127.0.0.1 {self.port('master')} {quorum}\n"
+                    f"sentinel down-after-milliseconds {master_name} {down_after_ms}\n"
+                    f"sentinel failover-timeout {master_name} {failover_timeout_ms}\n"
+                    f"sentinel parallel-syncs {master_name} 1\n"
+                )
+                argv = [redis_server_binary(), str(conf), "--sentinel", "--daemonize", "no"]
+                self.sentinels.append((port, Proc(f"sentinel{n}", argv, log=Path(self.dir) / f"sentinel{n}.log")))
+            wait_until(self._settled, 30, "the sentinels to see the master, its replica and each other",
+                       [p for _, p in self.sentinels] + [p for _, p in self.servers.values()])
+        except BaseException:
+            self.stop()
+            raise
+
+    def _server(self, name: str, extra: list[str]) -> None:
+        port = free_port()
+        argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", self.dir,
+                "--dbfilename", f"{name}.rdb", "--save", "", "--appendonly", "no", "--daemonize", "no", *extra]
+        proc = Proc(f"redis {name}", argv, log=Path(self.dir) / f"{name}.log")
+        self.servers[name] = (port, proc)
+        wait_until(lambda: redis_answers(f"redis://127.0.0.1:{port}/0"), 30, f"redis {name}", [proc])
+
+    def port(self, name: str) -> int:
+        return self.servers[name][0]
+
+    def proc(self, name: str) -> Proc:
+        return self.servers[name][1]
+
+    @property
+    def sentinels_env(self) -> str:
+        return ",".join(f"127.0.0.1:{port}" for port, _ in self.sentinels)
+
+    def ask(self, port: int, *command):
+        return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1, decode_responses=True).execute_command(*command)
+
+    def master_port(self) -> int | None:
+        """The master's port as a quorum of sentinels names it (None: no agreement)."""
+        seen: dict[int, int] = {}
+        for port, _ in self.sentinels:
+            try:
+                addr = self.ask(port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.master_name)
+            except redis.RedisError:
+                continue
+            if addr:
+                seen[int(addr[1])] = seen.get(int(addr[1]), 0) + 1
+        best = max(seen, key=seen.get, default=None)
+        return best if best is not None and seen[best] >= self.quorum else None
+
+    def _settled(self) -> bool:
+        info = redis.Redis(port=self.port("replica"), socket_timeout=1).info("replication")
+        if info.get("master_link_status") != "up":
+            return False
+        for port, _ in self.sentinels:
+            master = self.ask(port, "SENTINEL", "MASTER", self.master_name)
+            state = dict(zip(master[::2], master[1::2])) if isinstance(master, list) else master
+            if int(state.get("num-slaves", 0)) < 1 or int(state.get("num-other-sentinels", 0)) < len(self.sentinels) - 1:
+                return False
+        return True
+
+    def stop(self) -> None:
+        for _, p in [*self.sentinels, *self.servers.values()]:
+            p.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -422,7 +511,11 @@ def main() -> int:
     parent = _stop_with_parent()
     try:
         url = os.environ.get("REDIS_URL")
-        if redis_answers(url):
+        if settings.sentinel_addresses:  # the workers and the API find the master themselves
+            from tasks import redis_conn
+
+            say(f"using Redis through Sentinel: {redis_conn.describe(settings)}")
+        elif redis_answers(url):
             say(f"using Redis at {url}")
         else:
             data_dir = ROOT / settings.data_dir / "redis"  # an absolute data_dir stays as it is
@@ -430,7 +523,8 @@ def main() -> int:
             url = private.url
             say(f"started a private redis-server at {url}, its data in {data_dir}"
                 + (f" ({os.environ['REDIS_URL']} did not answer)" if os.environ.get("REDIS_URL") else ""))
-        env["REDIS_URL"] = url
+        if url and not settings.sentinel_addresses:
+            env["REDIS_URL"] = url
         if settings.flower and "GENQ_CELERY_EVENTS" not in os.environ:
             env["GENQ_CELERY_EVENTS"] = "true"  # what Flower reads; without them it sees no task
         cfg = {**os.environ, **env}

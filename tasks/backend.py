@@ -11,7 +11,7 @@
 """
 
 from celery import states
-from celery.backends.redis import RedisBackend
+from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
 from tasks import keys
@@ -57,5 +57,12 @@ class NoSubscribeRedisBackend(RedisBackend):
         return bool(self._fenced_set_script(keys=[key, keys.job(task_id)], args=[value, int(expires or 0), attempt]))
 
 
+class NoSubscribeSentinelBackend(NoSubscribeRedisBackend, SentinelBackend):
+    """The same through Redis Sentinel (`sentinel://` URLs, tasks/redis_conn.py): Celery's
+    SentinelBackend finds the master's pool; the writes above are unchanged."""
+
+
 def backend_url(redis_url: str) -> str:
-    return f"{__name__}:NoSubscribeRedisBackend+{redis_url}"
+    """`redis_url`: a `redis://` URL, or `sentinel://h1:p1;sentinel://h2:p2` (broker_url)."""
+    cls = "NoSubscribeSentinelBackend" if redis_url.startswith("sentinel://") else "NoSubscribeRedisBackend"
+    return f"{__name__}:{cls}+{redis_url}"

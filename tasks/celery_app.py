@@ -53,6 +53,7 @@ from datetime import datetime, timezone
 
 from celery import Celery, signals
 
+from tasks import redis_conn
 from tasks.backend import backend_url
 from tasks.config import Settings, get_settings, queue_for
 from tasks.schemas import PRIORITY_MAX, PRIORITY_MIN, JobSpec
@@ -89,6 +90,8 @@ def _reuse_kombu_clients() -> None:
 
 
 _reuse_kombu_clients()
+# Through Redis Sentinel, a closed broker channel can still reach the master (tasks/redis_conn.py).
+redis_conn.remember_sentinels()
 
 PRIORITY_STEPS = list(range(PRIORITY_MAX - PRIORITY_MIN + 1))
 BROKER_SEP = "\x06\x16"
@@ -197,7 +200,9 @@ WORKER_REDIS_RETRY_S = 300
 def make_celery(settings: Settings | None = None) -> Celery:
     s = settings or get_settings()
     visibility = s.redelivery_after
-    app = Celery("genqueue", broker=s.redis_url, backend=backend_url(s.redis_url), set_as_current=False)
+    broker = redis_conn.broker_url(s)  # REDIS_URL, or the sentinels' (GENQ_REDIS_SENTINELS)
+    sentinel = redis_conn.transport_options(s)
+    app = Celery("genqueue", broker=broker, backend=backend_url(broker), set_as_current=False)
     app.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -213,12 +218,14 @@ def make_celery(settings: Settings | None = None) -> Celery:
             "priority_steps": PRIORITY_STEPS,
             "sep": BROKER_SEP,
             "queue_order_strategy": "priority",
+            **sentinel,
         },
         task_default_priority=broker_priority(0),
         result_backend_transport_options={
             "visibility_timeout": visibility,
             "retry_policy": {"max_retries": None, "timeout": WORKER_REDIS_RETRY_S,
                              "interval_start": 0, "interval_step": 0.5, "interval_max": 2},
+            **sentinel,
         },
         broker_connection_retry_on_startup=True,
         result_expires=s.result_ttl,

@@ -16,6 +16,14 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GENQ_", extra="ignore")
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="REDIS_URL")
+    redis_sentinels: str = Field(
+        "", pattern=r"^\s*([^\s,:]+:\d{1,5}(\s*,\s*[^\s,:]+:\d{1,5})*)?\s*$",
+        description="Redis Sentinel: host:port,host:port,... of the sentinels; set, every process finds "
+        "the master through them (tasks/redis_conn.py) and REDIS_URL is not used",
+    )
+    redis_master: str = Field(
+        "mymaster", min_length=1, description="Redis Sentinel: the name the sentinels monitor the master under"
+    )
     model: str = "facebook/opt-125m"
     model_name: str | None = None
     engine: Literal["hf", "vllm", "echo", "sim"] = "hf"
@@ -114,6 +122,12 @@ class Settings(BaseSettings):
     def auth_enabled(self) -> bool:
         """API keys are configured: every route but health and metrics needs one."""
         return bool((self.api_keys and self.api_keys.get_secret_value().strip()) or self.api_keys_file)
+
+    @property
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        """GENQ_REDIS_SENTINELS as (host, port) pairs; empty: Redis at REDIS_URL."""
+        pairs = [a.strip().rsplit(":", 1) for a in self.redis_sentinels.split(",") if a.strip()]
+        return [(host, int(port)) for host, port in pairs]
 
     @property
     def redelivery_after(self) -> int:

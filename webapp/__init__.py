@@ -8,6 +8,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tasks.celery_app import BLOCKING_SOCKET_TIMEOUT_S, SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
+from tasks import redis_conn
 from tasks.config import Settings, get_settings
 from webapp import auth, batches, completions, errors, ids, metrics, openapi
 from webapp.routes import batches as batch_routes
@@ -30,8 +31,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     # go through a client of their own, whose socket timeout stays above the longest block.
     # Both reconnect by themselves once Redis is back.
     def redis_client(socket_timeout: float) -> redis.Redis:
-        return redis.Redis.from_url(
-            settings.redis_url,
+        return redis_conn.client(  # REDIS_URL, or the master the sentinels name (GENQ_REDIS_SENTINELS)
+            settings,
             decode_responses=True,
             health_check_interval=30,
             max_connections=settings.api_connections + 32,

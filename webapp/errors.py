@@ -140,6 +140,9 @@ def register(app: Flask) -> None:
 
     def _broker(exc: Exception):
         log.warning("Redis unavailable: %s: %s", type(exc).__name__, exc)
+        service = current_app.extensions.get("genq")  # webapp.service.EXTENSION
+        if service is not None:
+            service.redis_failed()  # readiness is not held up by it once Redis is back
         return error_response(503, **BROKER_UNAVAILABLE, headers=BROKER_RETRY_AFTER)
 
     for cls in BROKER_ERRORS:
@@ -159,8 +162,5 @@ def register(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):
-        service = current_app.extensions.get("genq")  # webapp.service.EXTENSION
-        if service is not None:
-            service.redis_failed()  # readiness is not held up by it once Redis is back
         log.exception("unhandled error")
         return error_response(500, "internal", "internal server error")

@@ -22,7 +22,7 @@ from kombu.exceptions import KombuError
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from tasks.celery_app import WORKER_REDIS_RETRY_S, make_celery
-from tasks import logs
+from tasks import logs, redis_conn
 from tasks.config import get_settings, queue_for
 from tasks.jobs import JobStore
 from tasks.registry import Registry, WorkerInfo
@@ -123,8 +123,8 @@ def main() -> None:
 
     # Writes that finish a job must outlive a Redis restart: retry with backoff, then give up.
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=int(WORKER_REDIS_RETRY_S / 2))
-    client = redis.Redis.from_url(
-        settings.redis_url, decode_responses=True, retry=retry, socket_connect_timeout=2, socket_timeout=10
+    client = redis_conn.client(  # REDIS_URL, or the master the sentinels name (GENQ_REDIS_SENTINELS)
+        settings, decode_responses=True, retry=retry, socket_connect_timeout=2, socket_timeout=10
     )
     publisher = StreamPublisher(client, settings.result_ttl, settings.max_new_tokens_limit + 16)
 

@@ -1,0 +1,125 @@
+"""How every genqueue process reaches Redis: at one address (`REDIS_URL`), or through Redis
+Sentinel (`GENQ_REDIS_SENTINELS=host:port,...`, `GENQ_REDIS_MASTER`).
+
+With sentinels, nothing holds the master's address: every new connection asks a sentinel for
+the master of `GENQ_REDIS_MASTER` first (redis-py's `SentinelManagedConnection`), so after a
+failover the next connection reaches the promoted replica. While the old master is gone and
+the sentinels have not promoted one yet, a connection fails at once (refused, or redis-py's
+`MasterNotFoundError`, a `ConnectionError`) and the API answers 503 `broker_unavailable` as it
+does for a Redis that is down; connections to a master that became a replica are dropped on
+its first `READONLY` answer.
+
+- the job store, streams, registry (the API's and the workers' redis-py clients): `client()`,
+  `redis.sentinel.Sentinel(...).master_for(name, **kwargs)` with the same timeouts and retries
+  the caller gives a single Redis;
+- the Celery broker: kombu's `sentinel://h1:p1;sentinel://h2:p2` transport (its
+  `SentinelChannel` subclasses the Redis channel, so the project's uses of the channel's
+  internals, worker/recovery.py, work on it too), `master_name` and `sentinel_kwargs` in
+  `broker_transport_options`;
+- the result backend: Celery's `SentinelBackend` (tasks/backend.py) with the same URL, and the
+  same options in `result_backend_transport_options`.
+
+The sentinels themselves are asked with a short timeout and no retry: one that is down or
+frozen costs a second at most, and the next one in the list is asked.
+"""
+
+from __future__ import annotations
+
+import redis
+import redis.sentinel
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tasks.config import Settings
+
+SENTINEL_TIMEOUT_S = 1.0
+
+
+def _sentinel_kwargs() -> dict:
+    return {
+        "socket_timeout": SENTINEL_TIMEOUT_S,
+        "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+        "retry": Retry(NoBackoff(), 0),
+    }
+
+
+class MasterConnection(redis.sentinel.SentinelManagedConnection):
+    """A connection to the master that asks the sentinels where it is at every reconnect.
+
+    redis-py 8.1's SentinelManagedConnection looks the master up only in `connect()`; a
+    command that fails and is retried (the `retry` the workers give their client) reconnects
+    through `connect_check_health`, to the address it had: after a failover, the dead master,
+    until the retries run out (redis/redis-py#3874). A worker's token writer retried there for
+    minutes while its jobs waited. Here every reconnect of a master connection asks first."""
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True):
+        if not self._sock and self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+        return super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+
+def client(settings: Settings, **kwargs) -> redis.Redis:
+    """A redis-py client of the master: `redis.Redis.from_url(REDIS_URL, **kwargs)`, or the
+    same options on the master the sentinels name."""
+    if not settings.sentinel_addresses:
+        return redis.Redis.from_url(settings.redis_url, **kwargs)
+    manager = redis.sentinel.Sentinel(settings.sentinel_addresses, sentinel_kwargs=_sentinel_kwargs())
+    return manager.master_for(settings.redis_master, connection_class=MasterConnection, **kwargs)
+
+
+def broker_url(settings: Settings) -> str:
+    """The Celery broker's (and result backend's) URL."""
+    if not settings.sentinel_addresses:
+        return settings.redis_url
+    return ";".join(f"sentinel://{host}:{port}/0" for host, port in settings.sentinel_addresses)
+
+
+def transport_options(settings: Settings) -> dict:
+    """What kombu's sentinel transport and Celery's sentinel backend need beyond the URL."""
+    if not settings.sentinel_addresses:
+        return {}
+    return {"master_name": settings.redis_master, "sentinel_kwargs": _sentinel_kwargs()}
+
+
+def describe(settings: Settings) -> str:
+    if not settings.sentinel_addresses:
+        return settings.redis_url
+    sentinels = ",".join(f"{h}:{p}" for h, p in settings.sentinel_addresses)
+    return f"master {settings.redis_master!r} of the sentinels {sentinels}"
+
+
+def remember_sentinels() -> None:
+    """A closed kombu sentinel channel rebuilds its pool from the Sentinel it was opened with.
+
+    worker/recovery.py `_remember_connparams` lets a closed Redis channel (after a reconnect)
+    still reach Redis with the parameters it kept: a job finishing then acks its message on
+    it, and the QoS gives back its received messages. kombu's `SentinelChannel` builds its
+    pool in `_sentinel_managed_pool`, which reads the sentinels' addresses from the transport
+    (`self.connection.client.alt`), gone once the channel is closed: the same AttributeError
+    as before. Each sentinel channel now keeps the `Sentinel` it built its synchronous pool
+    with (kombu closes that object's connections on close; it opens new ones when asked) and
+    asks it for the master again once its transport is gone: after a failover, the new one."""
+    from kombu.transport import redis as kredis
+
+    channel = kredis.SentinelChannel
+    if getattr(channel, "_genq_remembers_sentinels", False):
+        return
+    build = channel._sentinel_managed_pool
+
+    def _sentinel_managed_pool(self, asynchronous=False):
+        transport = self.connection
+        if transport is not None and getattr(transport, "client", None) is not None:
+            pool = build(self, asynchronous)
+            if not asynchronous:
+                self._genq_sentinel = self._sentinel_manager
+            return pool
+        manager = self.__dict__.get("_genq_sentinel")
+        if asynchronous or manager is None:
+            raise redis.ConnectionError("the broker channel is closed")
+        params = self._connparams(asynchronous)  # the remembered ones
+        credentials = {k: params[k] for k in ("username", "password") if k in params}
+        self._sentinel_manager = manager
+        return manager.master_for(self.master_name, redis.Redis, **credentials).connection_pool
+
+    channel._sentinel_managed_pool = _sentinel_managed_pool
+    channel._genq_remembers_sentinels = True
