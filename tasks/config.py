@@ -12,8 +12,12 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-class Settings(BaseSettings):
+class _Env(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GENQ_", extra="ignore")
+
+
+class RedisSettings(_Env):
+    """Where Redis is (to deploy)."""
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="REDIS_URL")
     redis_sentinels: str = Field(
@@ -24,20 +28,40 @@ class Settings(BaseSettings):
     redis_master: str = Field(
         "mymaster", min_length=1, description="Redis Sentinel: the name the sentinels monitor the master under"
     )
+    data_dir: str = Field(".data", description="`make run`'s private Redis data (relative: to the project)")
+
+
+class ApiSettings(_Env):
+    """The HTTP API: where it listens, its processes, its keys (to deploy)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_workers: int = Field(2, ge=1)
+    api_connections: int = Field(1000, ge=1, description="open requests per API process")
+    api_keys: SecretStr | None = Field(None, description="comma list of API keys (see webapp/auth.py)")
+    api_keys_file: str | None = Field(None, description="one API key (or sha256:<hex>) per line, with name and limits")
+
+
+class EngineSettings(_Env):
+    """The model a worker serves and how its engine runs it."""
+
     model: str = "facebook/opt-125m"
     model_name: str | None = None
     engine: Literal["hf", "vllm", "echo", "sim"] = "hf"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights' dtype; auto: bfloat16 on CPUs with native bf16, else float32"
     )
-
-    max_batch_size: int = Field(32, ge=1, le=1024)
-    torch_threads: int = Field(
-        0, ge=0, description="the hf engine's torch (OpenMP) threads; 0: torch's default, one per core"
-    )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="hf engine: where the model and its "
         "KV cache live: auto (CUDA when torch sees a GPU, else cpu), cpu, cuda or cuda:N",
+    )
+    max_batch_size: int = Field(32, ge=1, le=1024)
+    chat_template: str | None = Field(
+        None, description="a chat template (Jinja) file: the template of a model that has none, in place "
+        "of the model's own where it has one (as vLLM's --chat-template); rendered by the worker",
+    )
+    torch_threads: int = Field(
+        0, ge=0, description="the hf engine's torch (OpenMP) threads; 0: torch's default, one per core"
     )
     packed_linears: bool = Field(
         True, description="hf engine: linear layers through oneDNN with weights packed at load "
@@ -64,17 +88,18 @@ class Settings(BaseSettings):
     )
     sim_step_ms: str = Field(
         "5+0.5", pattern=r"^\s*\d+(\.\d*)?\s*(\+\s*\d+(\.\d*)?\s*)?$",
-        description="the sim engine's decode step: 'a+b' sleeps a + b x batch ms (worker/engines/sim.py)",
+        description="benchmarks only: the sim engine's decode step, 'a+b' sleeps a + b x batch ms "
+        "(worker/engines/sim.py, docs/scaling.md)",
     )
-    chat_template: str | None = Field(
-        None, description="a chat template (Jinja) file: the template of a model that has none, in place "
-        "of the model's own where it has one (as vLLM's --chat-template); rendered by the worker",
-    )
+
+
+class LimitSettings(_Env):
+    """What one request and one job may take, and how long things are kept."""
+
     default_max_new_tokens: int = Field(32, ge=1)
     max_new_tokens_limit: int = Field(1024, ge=1)
     max_prompt_chars: int = Field(32_768, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
-
     job_timeout: int = Field(600, ge=1, description="seconds one job may run")
     visibility_timeout: int | None = Field(
         None, ge=1, description="seconds before an unacknowledged job is delivered again"
@@ -86,19 +111,17 @@ class Settings(BaseSettings):
     max_queue_depth: int = Field(1000, ge=1)
     max_wait: float = Field(300.0, ge=0, description="longest ?wait= and blocking call, seconds")
 
-    # Files and batches (webapp/batches/).
+
+class BatchSettings(_Env):
+    """Files and batches (webapp/batches/)."""
+
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024, description="largest /v1/files upload, bytes")
     file_ttl: int = Field(7 * 86_400, ge=60, description="seconds a file (and a finished batch) is kept")
     batch_window: int = Field(256, ge=1, description="lines of one batch waiting or running at once")
 
-    api_keys: SecretStr | None = Field(None, description="comma list of API keys (see webapp/auth.py)")
-    api_keys_file: str | None = Field(None, description="one API key (or sha256:<hex>) per line, with name and limits")
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_workers: int = Field(2, ge=1)
-    api_connections: int = Field(1000, ge=1, description="open requests per API process")
-    data_dir: str = Field(".data", description="`make run`'s private Redis data (relative: to the project)")
+class WorkerSettings(_Env):
+    """How workers tell they are alive and find lost jobs."""
 
     heartbeat_interval: float = Field(2.0, gt=0)
     heartbeat_ttl: float = Field(10.0, gt=0)
@@ -106,13 +129,23 @@ class Settings(BaseSettings):
         10.0, gt=0, description="seconds between a worker's checks for jobs whose messages were lost"
     )
 
-    # Observability (webapp/metrics.py, worker/metrics.py, tasks/logs.py).
+
+class ObservabilitySettings(_Env):
+    """Metrics, logs, events (webapp/metrics.py, worker/metrics.py, tasks/logs.py)."""
+
     api_metrics: bool = Field(True, description="the API's /metrics and its request counts")
     metrics_port: int = Field(0, ge=0, le=65535, description="worker exporter: first port tried (0 = off)")
     metrics_host: str = Field("127.0.0.1", description="address the worker exporter listens on")
     celery_events: bool = Field(False, description="Celery task events (for Flower); cost time per job")
     flower: bool = Field(False, description="make run: start Flower beside the stack (scripts/stack.py)")
     log_format: Literal["text", "json"] = "text"
+
+
+class Settings(
+    RedisSettings, ApiSettings, EngineSettings, LimitSettings, BatchSettings, WorkerSettings, ObservabilitySettings
+):
+    """Every setting, in its groups above; each is `GENQ_<NAME>` in the environment (REDIS_URL
+    for `redis_url`). The API and the workers read the same ones."""
 
     @property
     def served_model(self) -> str:
