@@ -25,6 +25,8 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
+# The image's Python is the one the tests run on (python:3.11-slim for 3.11).
+TESTED_PYTHON = f"python:{sys.version_info.major}.{sys.version_info.minor}-"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 
 if str(REPO_ROOT) not in sys.path:  # so `scripts.stack` imports however pytest is run
@@ -424,7 +426,7 @@ def test_dockerfile_base_user_and_cmd(stack_commands):
     assert DOCKERFILE.is_file(), "Dockerfile is missing"
     instr = _dockerfile_instructions()
     froms = [rest for op, rest in instr if op == "FROM"]
-    assert froms and froms[-1].split()[0] == "python:3.11-slim"
+    assert froms and froms[-1].split()[0].startswith(TESTED_PYTHON), "the image runs the Python the tests ran"
 
     users = [rest for op, rest in instr if op == "USER"]
     assert users, "the image must drop root"
@@ -615,7 +617,7 @@ def test_gpu_override_reserves_gpus_and_switches_to_the_cuda_build(services):
 def test_dockerfile_vllm():
     text = re.sub(r"\\\n", " ", DOCKERFILE_VLLM.read_text())
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
-    assert [line for line in lines if line.startswith("FROM ")][-1] == "FROM python:3.11-slim"
+    assert [line for line in lines if line.startswith("FROM ")][-1].split()[1].startswith(TESTED_PYTHON)
     runs = " ".join(line for line in lines if line.startswith("RUN "))
     assert '-r "$VLLM_REQUIREMENTS"' in runs and "uninstall" in runs and "torchvision" in runs
     user = [line for line in lines if line.startswith("USER ")][-1].split()[1]
