@@ -1,18 +1,10 @@
 """Start and stop genqueue's processes: Redis (when needed), workers and the API.
 
-With GENQ_REDIS_SENTINELS set, `make run` starts no Redis: every process finds the master
-through the sentinels (tasks/redis_conn.py).
-
-`make run` calls `python -m scripts.stack`; the tests use the same pieces, so the stack they
-exercise is the one a user starts. docker-compose.yml runs the same two commands.
-
-Every child runs in a session of its own (so that it can be stopped as a group) and dies with
-the process that started it, even one killed by SIGKILL (Linux `PR_SET_PDEATHSIG`): a killed
-launcher, test run or benchmark leaves no Redis, worker or API behind. The launcher in turn
-stops everything when the process that started it dies (`make run`'s make, even SIGKILLed).
-`make run` keeps its private Redis's data in `GENQ_DATA_DIR` (AOF), so stopping and starting it
-loses no job, and restarts a worker that exits instead of stopping everything. With
-`GENQ_FLOWER=1` it starts Flower too, against the same Redis, with the workers' task events on.
+`make run` calls `python -m scripts.stack`; the tests and benchmarks use the same pieces, so
+the stack they exercise is the one a user starts. Every child runs in a session of its own and
+dies with the process that started it, even one killed by SIGKILL (`PR_SET_PDEATHSIG`), and the
+launcher stops everything when its own parent dies: nothing is left behind. More (Sentinel,
+the private Redis's data, worker restarts, Flower): docs/design.md, "The launcher".
 """
 
 from __future__ import annotations

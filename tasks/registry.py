@@ -1,19 +1,11 @@
 """Worker heartbeats: which workers are alive, what they serve and how much they can batch.
 
-A worker announces itself only after its model has loaded, then refreshes the announcement
-every `heartbeat_interval` seconds. A worker whose last heartbeat is older than
-`heartbeat_ttl` counts as gone, whether it exited cleanly (it withdraws) or was killed; a
-worker that is shutting down keeps its heartbeat while it finishes its jobs, marked
-`draining`, so that it takes no new blocking calls yet its jobs are still looked after.
-
-Heartbeats are timed on Redis's clock (`TIME` inside the scripts below), never on a host's:
-hosts' clocks differ, and while Redis is frozen or down no heartbeat can land at all, so
-every heartbeat looks old the moment it comes back. A worker's silence counts only while
-Redis was serving: a heartbeat that finds its own previous one more than `gap` old, after a
-call that was held up that long, records the outage it lived through (`WORKERS_OUTAGE`); for
-a `ttl` after an outage, a worker that was alive when it began still counts as alive, so that
-every worker gets a full `ttl` of a serving Redis to beat again (worker/recovery.py's sweepers
-apply the same rule to themselves: see `Heartbeat` in worker/__main__.py).
+A worker announces itself once its model has loaded and refreshes that every
+`heartbeat_interval` seconds; one whose last heartbeat is older than `heartbeat_ttl` counts as
+gone (a draining worker keeps beating while it finishes its jobs). Heartbeats are timed on
+Redis's clock (`TIME` inside the scripts below), never on a host's, and a worker's silence
+counts only while Redis was serving: after an outage (`WORKERS_OUTAGE`) every worker gets a full
+`ttl` to beat again. Why: docs/design.md, "Worker heartbeats".
 """
 
 from __future__ import annotations

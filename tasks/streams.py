@@ -1,27 +1,13 @@
 """Token events of one job, in a Redis Stream of its own.
 
-A worker appends one entry per generated token, `{"i": n, "t": text}`, numbered from 0 within
-one attempt at the job, and a last entry with `"finish"` (the finish reason) and `"usage"`. A
-job that asked for `logprobs` has `"lp"` in its entries too: the log-probabilities of the tokens
-behind the entry's text (JSON, OpenAI's logprobs object, text offsets from the completion's
-start). The
-API reads them with XREAD, so a client that connects late, or reconnects, still gets every
-token: SSE event ids are the `i` numbers, and a reader resuming after `Last-Event-ID: k` skips
-entries up to `k`.
-
-A job run again after its worker died or hung (attempt n > 1) replaces its stream: the new
-attempt empties it and starts it with a marker `{"restart": n}`, then numbers its tokens from 0
-again (tasks/jobs.py does both in the call that starts the attempt). A reader never takes a
-replay on trust, whatever the job's sampling or the engine's dtype (a greedy job re-run in
-another batch, in bfloat16, can take other tokens): it compares each token of the new attempt
-with the one it already has at that index (text and finish reason; logprobs are not
-compared) and skips it while they agree, so a replay that agrees shows no seam. At the first
-token that differs (or that it has nothing to compare with: it resumed with an id of an
-earlier attempt than the stream holds) it yields a `Restart`, then the new attempt's tokens
-from the first: the client drops the text it had. Event ids of later attempts read `n:k`, so
-that a resumed reader knows which attempt its `Last-Event-ID` belongs to. No reader ever sees
-tokens of two attempts mixed: what it assembled is one attempt's text, the job's result's
-once it has finished.
+A worker appends one entry per generated token, `{"i": n, "t": text}` (and `"lp"`, the
+log-probabilities, when the job asked for them), numbered from 0 within one attempt at the job,
+and a last entry with `"finish"` and `"usage"`. The API reads them with XREAD, so a client that
+connects late or resumes (`Last-Event-ID`) still gets every token. A job run again after its
+worker died or hung restarts its stream (marker `{"restart": n}`, ids `n:k`); `follow` skips
+the new attempt's tokens while they agree with those the reader has and yields a `Restart` at
+the first that differs, so no reader sees two attempts mixed. How and why: docs/design.md,
+"Token streams".
 """
 
 from __future__ import annotations

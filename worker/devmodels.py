@@ -1,40 +1,14 @@
 """Offline development checkpoints: random-weight decoders with a locally trained tokenizer.
 
-No model hub is needed.  ``build()`` writes a directory that loads exactly like a Hugging Face
-hub checkpoint::
-
-    AutoTokenizer.from_pretrained(path)
-    AutoModelForCausalLM.from_pretrained(path)
-
-The model is a real architecture (``--arch``: OPT by default, or GPT-2, Llama, Qwen2, Mistral,
-Phi-3, GPT-NeoX, Gemma, each through its own transformers ``*Config`` class) with the library's
-random initialisation, saved as float32 safetensors.  OPT keeps the library's ``init_std`` of
-0.02; the other architectures are initialised at 0.1, so that attention is peaked enough for
-a token fed at a wrong position to change the greedy text within a few tokens.  The weights
-depend only on the architecture, the shape and the seed.
-
-The tokenizer is a byte-level BPE like GPT-2/OPT, trained with the ``tokenizers`` library on the
-``.py`` sources of the running interpreter's standard library (read in sorted order, so the
-tokenizer is the same for a given Python version).  It copies OPT's special tokens: ``<s>``=0,
-``<pad>``=1, ``</s>``=2, ``<unk>``=3.  As in OPT, ``bos_token``, ``eos_token`` and ``unk_token``
-are all ``</s>`` (id 2), ``pad_token`` is ``<pad>`` (id 1), and every encoded text starts with
-``</s>``.  Byte-level BPE can encode any text, so ``decode(..., skip_special_tokens=True)``
-gives back the text.
-
-The outputs are gibberish (the weights are random); these checkpoints exist to exercise
-loading, batching, streaming and the serving path without downloading anything.
-
-Command line::
+`build()` writes a directory that `from_pretrained` loads like a hub checkpoint, with no model
+hub: a real architecture (`--arch`, OPT by default) with random weights, and a byte-level BPE
+tokenizer with OPT's special tokens and a chat template (`CHAT_TEMPLATE`). The text is
+gibberish: these checkpoints exercise loading, batching, streaming and serving. The same arch,
+shape and seed give the same weights; a build already in DIR is kept unless `--force`.
 
     python -m worker.devmodels --shape tiny|opt-125m --out DIR [--arch opt] [--seed 0] [--force]
 
-The tokenizer carries a simple chat template (``CHAT_TEMPLATE``), so chat works out of the box.
-
-If DIR already holds a complete checkpoint built by this module with the same arch, shape, seed
-and format version (see the ``genq-devmodel.json`` marker), nothing is done unless ``--force``.  A
-build is written to a temporary directory beside DIR and renamed into place at the end, so an
-interrupted build never leaves a half-written checkpoint.  An existing non-empty DIR that was not
-built by this module is never replaced.
+How they are made: docs/design.md, "Offline development checkpoints".
 """
 
 from __future__ import annotations

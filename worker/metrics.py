@@ -1,26 +1,14 @@
 """A worker's Prometheus metrics and its job log lines.
 
-Named like vLLM's (`genq:` for `vllm:`, the same buckets, the labels `model_name` and
-`engine`, with vLLM's label values: `engine` is the engine's index, "0" as a single vLLM engine
-labels it, and `finished_reason` one of vLLM's four), so that dashboards and alerts written for
-vLLM read ours. Each worker process serves
-its own (`GENQ_METRICS_PORT`, 0 = off) from the default registry; Prometheus adds the workers
-up. Several workers on one host take the first free port from that one on and announce the
-port they got in their heartbeat (tasks/registry.py), where /readyz shows it.
-
-Where the numbers come from, each with one hook, so that engines and the task stay as they are:
-- `job_started` / `job_finished`, from the Celery task (worker/tasks.py): queue time, run time,
-  end-to-end latency, tokens, finish reason. `created` is the time the API recorded the job,
-  stamped on the message (header `genq_created`, webapp/metrics.py), so no Redis round trip is
-  needed; `started` and `finished` are this worker's clock, as in the job record.
-- `tokens_published`, from the publisher (worker/publisher.py): time to first token (from
-  `created`, queueing included, as vLLM's from arrival) and inter-token latency, when the token
-  events reach the job's stream, i.e. as a streaming client sees them. Jobs nobody can stream
-  (blocking calls, non-streamed completions) publish no events and have none: their clients
-  get the whole text at once, at the end-to-end latency.
-- `decode_step`, from the hf engine's decode step: the batch size of every step.
-The same two task hooks write the job's log lines (tasks/logs.py), so a job's log and its
-counts come from one place. With the exporter off, nothing is observed; the log lines stay.
+Named like vLLM's (`genq:` for `vllm:`, the same buckets, labels and label values), so that
+dashboards and alerts written for vLLM read ours. Each worker process serves its own
+(`GENQ_METRICS_PORT`, 0 = off; the first free port from there, announced in its heartbeat).
+The numbers come from a few hooks, so that engines and the task stay as they are:
+`job_started` / `job_finished` (the Celery task; they write the job's log lines too),
+`tokens_published` (the publisher: time to first token and inter-token latency as a streaming
+client sees them), `decode_step` and `preempted` (the hf engine). With the exporter off nothing
+is observed; the log lines stay. Where each number starts and ends: docs/design.md, "Worker
+metrics".
 """
 
 from __future__ import annotations

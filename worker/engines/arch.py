@@ -1,23 +1,13 @@
 """What the hf engine needs of an architecture to batch it exactly, checked when it loads.
 
 The engine joins rows of different lengths with left padding and admits rows into a batch that
-is already decoding, so each row's tokens sit at other cache columns than its positions. That
-is exact only where the model takes each row's positions from `position_ids` (which the engine
-passes on every forward) and its padding from the attention mask. What breaks it, and what is
-done about each:
-
-- a sliding window (Mistral v0.1, Phi-3 mini, Qwen2 with `use_sliding_window`) masks by cache
-  column, which is not the row's position: the context is capped at the window, inside which
-  sliding and full attention are the same, and the model runs with full attention;
-- rotary frequencies that change with the sequence's length (`dynamic`, `longrope`: the whole
-  batch would switch on its longest row): the context is capped at the length below which they
-  do not change;
-- encoder-decoders, and layers that are not attention (Mamba, linear attention), or sliding
-  windows interleaved with other per-layer differences (Gemma 2/3): refused;
-- anything else a model does differently: `probe` joins a row to a longer one's batch as the
-  engine does, decodes, and refuses the model if its logits differ from the row's alone.
-
-A refusal raises `UnsupportedModel`, naming the architecture and the reason.
+is already decoding, so each row's tokens sit at other cache columns than its positions: that is
+exact only where the model takes positions from `position_ids` and padding from the attention
+mask. `prepare` caps the context of sliding-window and length-dependent rotary models where
+they stay exact, and refuses what cannot be batched exactly (encoder-decoders, non-attention
+layers, interleaved sliding windows); `probe` refuses a model whose logits for a row joined to
+a batch differ from the row's alone. A refusal raises `UnsupportedModel`, naming the
+architecture and the reason. Which and why: docs/design.md, "Which architectures batch exactly".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """The Hugging Face transformers engine, with continuous batching.
 
 One scheduler thread owns the model. Between two decode steps it admits every job that has
-arrived (one left-padded prefill for all of them, whose keys/values are then copied into free
-rows of the batch's preallocated KV cache, worker/engines/kvcache.py) and drops every job that
-has finished, been cancelled or run out of time, so a job never waits for a whole batch to
-end before it starts. Each decode step feeds every running job's last token at once, with each
-row's own position (`position_ids`: the tokens it has fed so far), so the left padding that
-joins sequences of different lengths, and the columns of a row that joined late or sat a step
-out, are invisible to the model; worker/engines/arch.py checks at load that the architecture
-honours them, and refuses one that cannot be batched exactly. Columns that every row pads leave
-the cache's window whenever rows leave. A decode step writes the new keys/values in place:
-nothing but the matmuls grows with the batch's length.
-
-Greedy decoding here gives the same tokens as `model.generate(do_sample=False)` on the same
-prompt, which the tests check through the whole queue. vLLM's penalties, `min_tokens` and
-log-probabilities are tensor operations over the whole batch in each step (worker/engines/
-logits.py), skipped entirely while no job in the batch asks for them.
+arrived (one left-padded prefill, copied into free rows of the preallocated KV cache,
+worker/engines/kvcache.py) and drops every job that has ended, so a job never waits for a whole
+batch to end before it starts. Each decode step feeds every running job's last token with the
+row's own `position_ids`, which makes padding invisible to the model (worker/engines/arch.py
+checks at load that the architecture honours them). Greedy decoding gives the same tokens as
+`model.generate(do_sample=False)` in float32, which the tests check through the whole queue.
+How the pieces fit: docs/design.md, "The hf engine".
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """A preallocated KV cache for the hf engine's running batch, written in place.
 
-transformers' DynamicCache concatenates each layer's keys and values with the new token's at
-every step (a copy of the whole cache per step), and joining or dropping rows of the batch
-meant building a new cache from copies of every layer. `SlotKV` instead keeps, per layer, one
-buffer `[rows, heads, columns, head_dim]` for keys and one for values, plus the attention mask
-`[rows, columns]`, and a window `[start, end)` of columns in use:
-
-- a decode step writes each row's new key/value into column `end` (in place) and attends over
-  a view of `[start, end + 1)`: nothing is copied;
-- admitting jobs copies only their prefill's keys/values into free rows, right-aligned at
-  `end`; a prompt wider than the window moves `start` left into the free columns there (the
-  rows already running see masked columns, as left padding), so the running rows are not
-  copied either;
-- dropping rows moves the last rows into the holes (only those rows are copied) and advances
-  `start` past the columns no remaining row uses. The rows' new order is returned, so that the
-  engine keeps its per-row state in step;
-- a step may feed only the first rows (`step_mask(active)`): the others get a masked column,
-  as if padded, and resume later where they were. The engine keeps its foreground jobs in the
-  first rows (`swap`) so that background jobs can sit steps out while those run.
-
-Only when the buffers run out of rows or columns are they reallocated (doubling, so that the
-copy is amortised). Masked columns hold stale but finite values (buffers start zeroed), which
-attention weighs at exactly zero. `cache` is the transformers `Cache` the model's forward
-takes: its layers hand the model views of the buffers.
+`SlotKV` keeps, per layer, one buffer `[rows, heads, columns, head_dim]` for keys and one for
+values, plus the attention mask `[rows, columns]`, and a window `[start, end)` of columns in
+use. A decode step writes each row's new key/value into column `end` and attends over a view of
+the window, so nothing is copied (transformers' DynamicCache copies the whole cache each step);
+admitting or dropping rows copies only those rows, and a step may feed only the first rows
+(`step_mask`). Row order changes are returned so that the engine keeps its per-row state in
+step. `cache` is the transformers `Cache` the model's forward takes. How the window moves:
+docs/design.md, "The KV cache".
 """
 
 from __future__ import annotations

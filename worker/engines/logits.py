@@ -1,34 +1,13 @@
 """vLLM's logits processing for the hf engine's batched step, as tensor operations over the whole
 batch: repetition, presence and frequency penalties, `min_tokens`, `logit_bias`,
 `allowed_token_ids`, `bad_words`, structured output (grammar bitmasks, worker/engines/
-structured.py), `min_p` (in `sample`), and log-probabilities.
+structured.py), `min_p` (in `sample`), and log-probabilities (of the raw logits).
 
-`RowProcessors` keeps one row per sequence of the running batch (per-row parameters, and the
-token counts the penalties need), in step with the batch as rows join and leave. It exists
-only while some row of the batch asks for a penalty or `min_tokens`: a batch where nobody does
-has none, and its step pays nothing. Within one, each kind of processing runs only while some
-row needs it, and a row at its neutral values comes out bit for bit unchanged.
-
-The rules are vLLM's (and, where it has one, Hugging Face's processor of the same name):
-
-- `repetition_penalty` r: the logit x of every token seen in the prompt or the output so far
-  becomes x / r if x > 0, else x * r (transformers' RepetitionPenaltyLogitsProcessor).
-- `frequency_penalty` f, `presence_penalty` p (OpenAI's): x - f * count - p * (count > 0),
-  `count` the times the token occurs in the output so far (the prompt does not count).
-- `min_tokens` m: EOS (unless `ignore_eos`) and the row's `stop_token_ids` get -inf while the
-  row has fewer than m tokens (transformers' MinNewTokensLengthLogitsProcessor).
-- `logit_bias`: added to the token's logit, clamped to [-100, 100] (OpenAI's range, vLLM's).
-- `allowed_token_ids`: every other token gets -inf.
-- `bad_words`: each word tokenized alone and after a space (`bad_word_ids`); a word of one token
-  gets -inf always, a longer one's last token gets -inf when the output so far ends with the
-  rest of it (so its token sequence never appears in the output).
-- `structured_outputs`: the row's grammar matcher fills its bitmask of allowed tokens, applied
-  to the constrained rows only (xgrammar's kernel), and accepts each token chosen.
-- `min_p` (in `sample`, after temperature, before top-k/top-p, as vLLM's sampler): tokens less
-  likely than min_p times the likeliest are dropped.
-
-Log-probabilities are those of the raw logits (log-softmax before any of the above, and before
-temperature), as vLLM reports them by default.
+`RowProcessors` keeps one row per sequence of the running batch, in step with it as rows join
+and leave. It exists only while some row asks for processing, so a batch where none does pays
+nothing, and a row at its neutral values comes out bit for bit unchanged. The rules are vLLM's
+(and Hugging Face's processor of the same name, where it has one): docs/design.md, "Logits
+processing".
 """
 
 from __future__ import annotations

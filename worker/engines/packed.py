@@ -1,21 +1,12 @@
 """The model's linear layers through oneDNN with weights packed once, at load.
 
-PyTorch's `nn.Linear` on a CPU calls MKL's GEMM with the weight as stored (`[out, in]`,
-transposed on the fly) and picks a kernel per call. For the shapes a decode step has (a few to
-a few dozen rows against a large weight) that kernel is slow and erratic: the 125M OPT's output
-projection (50,272 x 768) takes 40-50 ms at 4-32 rows on a 2-core AMD EPYC with AVX2, against
-13-15 ms at 1 row, so a batch of 10 paid 3x the weight's cost. oneDNN with the weight reordered
-once into its blocked layout (`mkldnn._reorder_linear_weight`, what torch.compile's CPU
-"freezing" does, and vLLM's CPU backend with its own oneDNN GEMMs) ran the same product at
-12-25 ms there; whole decode steps got 1.15-1.96x faster at batch 1-64 (docs/benchmarks.md,
-measured with bench/decode_step.py, since removed: see git history).
-
-`pack(model)` replaces every `nn.Linear` of the model by a `PackedLinear` holding the
-packed weight (the original weight is freed, except where another module shares it: OPT's
-output projection is tied to its token embeddings, which keep theirs). The results agree with
-`nn.Linear`'s to float rounding (a different summation order), not bit for bit; greedy tokens
-through the engine equal `model.generate`'s on the test prompts (tests/test_e2e.py,
-tests/test_engine.py). `GENQ_PACKED_LINEARS=false` keeps PyTorch's own.
+PyTorch's `nn.Linear` on a CPU is slow and erratic for the shapes a decode step has (a few
+rows against a large weight); oneDNN with the weight reordered once into its blocked layout
+(what torch.compile's CPU "freezing" and vLLM's CPU backend do) is faster there
+(docs/benchmarks.md, "hf engine: packed linear layers"). `pack(model)` replaces every
+`nn.Linear` by a `PackedLinear`; results agree with `nn.Linear`'s to float rounding, not bit for
+bit. `GENQ_PACKED_LINEARS=false` keeps PyTorch's own. More: docs/design.md, "Packed linear
+layers".
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Structured output for the hf engine: vLLM's `structured_outputs` (JSON Schema, any JSON
 object, regex, choice, EBNF/Lark grammar) compiled by xgrammar, the library vLLM uses.
 
-A compiled grammar is the tokenizer's whole vocabulary checked once against the grammar;
-each constrained row of the batch then has a `GrammarMatcher` (its position in the grammar),
-which fills that row's bitmask of allowed tokens before each step and accepts the token chosen
-after it (worker/engines/logits.py does both, for the rows that have one). Once the grammar is
-complete only EOS is allowed, so a constrained completion ends where its text is whole (or at
-`max_tokens`, as in vLLM, cut short).
-
-JSON follows vLLM's xgrammar backend (`compile_json_schema`, `{"type": "object"}` for
-`json_object`, choices as an EBNF alternation, `grammar` as Lark when it looks like Lark), with
-one difference: a run of whitespace between JSON tokens is at most WHITESPACE_MAX characters
-(vLLM: unbounded), so that a model cannot spend its whole `max_tokens` on indentation.
-`disable_any_whitespace` allows none, as vLLM's. And a string with `minLength`/`maxLength`
-(and no pattern of its own) is given the pattern of JSON's unescaped characters of that length:
-xgrammar 0.2.8 compiles such strings to "any character but quote, backslash, CR and LF", so a
-model could put raw control characters in them, which no JSON parser takes (`string_lengths`).
-
-xgrammar is imported on first use: a worker whose jobs never ask for structured output never
-loads it.
+A compiled grammar is checked once against the tokenizer's vocabulary; each constrained row
+then has a `GrammarMatcher`, which fills the row's bitmask of allowed tokens before each step
+and accepts the token chosen after it (worker/engines/logits.py). JSON follows vLLM's xgrammar
+backend except that whitespace runs are bounded (WHITESPACE_MAX) and strings with
+`minLength`/`maxLength` exclude control characters (`string_lengths`). xgrammar is imported on
+first use: a worker whose jobs never ask for structured output never loads it. Details:
+docs/design.md, "Structured output".
 """
 
 from __future__ import annotations
