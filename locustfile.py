@@ -1,60 +1,14 @@
-"""Closed-loop load test for the genqueue HTTP API.
+"""Closed-loop load test for the genqueue HTTP API, against a running stack::
 
-Run it headless against a running stack (``docker compose up`` or ``make run``)::
+    locust -f locustfile.py --headless -u 10 -r 10 -t 60s --host http://127.0.0.1:8000 [UserClass ...]
 
-    locust -f locustfile.py --headless -u 10 -r 10 -t 60s --host http://127.0.0.1:8000
-
-Pick user classes by naming them after the options (default: all of them)::
-
-    locust -f locustfile.py --headless -u 8 -r 8 -t 60s \\
-        --host http://127.0.0.1:8000 JobsUser
-
-User classes
-------------
-``JobsUser``
-    ``POST /v1/jobs`` then long-polls ``GET /v1/jobs/<id>?wait=30`` until the job
-    reaches a terminal status; anything but ``succeeded`` is a failure.  Every
-    poll is reported under one name (``/v1/jobs/[id]?wait``) and each whole job
-    is also reported as a ``JOB`` entry named ``/v1/jobs (end-to-end)`` whose
-    response time is submit-to-terminal latency.
-``BasicGenerateUser``
-    ``POST /basic_generate``; ``generated_text`` must start with the prompt.
-``BatchGenerateUser``
-    ``POST /generate`` with a few prompts; ``generated_texts`` must hold one
-    text per prompt, each starting with its prompt.
-``CompletionsUser``
-    ``POST /v1/completions`` (OpenAI's body: ``model``, ``prompt``, ``max_tokens``);
-    the first choice must have a ``text``.
-``ChatCompletionsUser``
-    ``POST /v1/chat/completions`` (OpenAI's body: ``model``, ``messages`` with one
-    user message, ``max_tokens``); the first choice must have ``message.content``.
-``StreamingUser``
-    ``POST /v1/jobs`` then reads ``GET /v1/jobs/<id>/stream`` (SSE) to its
-    ``done`` event.  What matters for LLM serving gets entries of its own in the
-    statistics (web UI, ``--csv``): request type ``TTFT`` (submit to the first
-    token), ``ITL`` (each gap between two tokens), both named
-    ``/v1/jobs/[id]/stream``, and ``QUEUE`` (the job record's queue time, also
-    reported by ``JobsUser``)::
-
-        locust -f locustfile.py --headless -u 8 -r 8 -t 60s \\
-            --host http://127.0.0.1:8000 --csv out/genq StreamingUser
-
-Every user waits ``constant(0)`` between tasks (closed loop: each user has at
-most one request in flight).  A 429 (queue full) is reported as a failure named
-``429 Too Many Requests (queue full)`` and the user then sleeps for the
-response's ``Retry-After`` seconds (capped) before carrying on.
-
-Environment
------------
-``GENQ_API_KEY``                sent as ``Authorization: Bearer <key>`` on every request
-                                (a stack with API keys answers 401 without one)
-``GENQ_LOCUST_MAX_NEW_TOKENS``  max_new_tokens sent with /v1/jobs (default 32)
-``GENQ_LOCUST_MODEL``           model name sent with /v1/jobs and the OpenAI routes
-                                (default: none, i.e. the server's default model)
-``GENQ_LOCUST_POLL_WAIT``       ``wait=`` seconds for each poll (default 30)
-``GENQ_LOCUST_JOB_TIMEOUT``     give up on a job after this many seconds (default 600)
-``GENQ_LOCUST_REQUEST_TIMEOUT`` HTTP timeout for the blocking endpoints (default 300)
-``GENQ_LOCUST_MAX_RETRY_AFTER`` cap on the Retry-After sleep in seconds (default 30)
+One user class per way in: `JobsUser` (submit, then long-poll), `StreamingUser` (submit, then
+read the SSE stream), `BasicGenerateUser` and `BatchGenerateUser` (the teaching endpoints),
+`CompletionsUser` and `ChatCompletionsUser` (OpenAI's). Each user has at most one request in
+flight and checks every answer; a 429 is a failure, after which the user sleeps for its
+Retry-After. Beside the HTTP requests, the statistics get entries of their own: `JOB` (submit to
+a terminal status), `TTFT`, `ITL` and `QUEUE`. What each class checks and reports, and the
+GENQ_LOCUST_* settings: README.md, "Load testing: locust".
 """
 
 from __future__ import annotations

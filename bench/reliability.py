@@ -1,18 +1,14 @@
 """`python -m bench.reliability` (`make reliability`): what becomes of accepted jobs when a
-worker dies or hangs, when Redis restarts, and when a job kills every worker it meets, with real
-processes (a private Redis, the API, hf workers on the tiny model); writes docs/reliability.md.
-Each scenario gets a stack of its own (`--only` picks them):
+worker dies or hangs, when Redis restarts or fails over, and when a job kills every worker it
+meets, with real processes (a private Redis, the API, hf workers on the tiny model); writes
+docs/reliability.md, and logs and results.json to bench/out/reliability-<timestamp>/.
 
-- reference: two workers, N greedy jobs, no fault: the texts every other run must reproduce;
-- SIGKILL and SIGSTOP (--runs each): the worker running most of the jobs gets the signal
-  mid-batch; a stopped worker gets SIGCONT once every job is done (nothing may change then);
-- redis: Redis (append-only, as `make run`'s) SIGKILLed with jobs queued and running, the API
-  probed while it is down, restarted on its port and data dir;
-- sentinel: Redis Sentinel (a master, a replica, three sentinels), the master SIGKILLed with jobs
-  queued and running and a client submitting; once without, once with `min-replicas-to-write 1`;
-- poison: GENQ_MAX_ATTEMPTS=3; whichever worker runs the job is SIGKILLed and replaced.
-
-Logs and results.json: bench/out/reliability-<timestamp>/.
+Scenarios (`--only`), each on a stack of its own: reference (no fault: the texts every other run
+must reproduce); sigkill and sigstop (the worker running most of the jobs, mid-batch; a stopped
+one gets SIGCONT once every job is done); redis (SIGKILLed with jobs queued and running,
+restarted on its port and data dir); sentinel (a master, a replica, three sentinels: the master
+SIGKILLed, without and with `min-replicas-to-write 1`); poison (GENQ_MAX_ATTEMPTS=3, whichever
+worker runs the job SIGKILLed and replaced).
 """
 
 from __future__ import annotations

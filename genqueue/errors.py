@@ -1,18 +1,7 @@
 """The exceptions the client raises. Every one is a `GenqError` with `status` (the HTTP status,
-or None when no response came), `code` (the API's error code, e.g. `not_found`) and `message`.
-
-    GenqError
-    ├── BadRequest            400, 413, 422 and other 4xx: the request itself was refused
-    ├── AuthError             401, 403: missing or wrong API key
-    ├── NotFound              404: unknown job, model, file or batch (or another key's)
-    ├── Conflict              409: e.g. cancelling a job that has already ended
-    ├── RateLimited           429: queue full or the key's quota used up (`retry_after`)
-    ├── ServerError           5xx: the server could not do it (no worker, Redis down, ...)
-    ├── ConnectError          no answer: connection refused, reset or timed out
-    ├── WaitTimeout           the job had not ended when `wait(timeout=...)` gave up
-    ├── JobError              the job ended without a result: failed (`job` holds it)
-    │   └── JobCancelled      ... because it was cancelled
-    └── BatchError            a batch failed, expired or was cancelled (`batch`, `results`)
+or None when no response came), `code` (the API's error code, e.g. `not_found`) and `message`;
+each subclass below says when it is raised. `from_response` picks the class of an error
+response by its status, `job_error` that of a job that ended without a result.
 """
 
 from __future__ import annotations
@@ -33,47 +22,53 @@ class GenqError(Exception):
 
 
 class BadRequest(GenqError):
-    pass
+    """400, 413, 422 and other 4xx: the request itself was refused."""
 
 
 class AuthError(GenqError):
-    pass
+    """401, 403: missing or wrong API key."""
 
 
 class NotFound(GenqError):
-    pass
+    """404: unknown job, model, file or batch (or another key's)."""
 
 
 class Conflict(GenqError):
-    pass
+    """409: e.g. cancelling a job that has already ended."""
 
 
 class RateLimited(GenqError):
+    """429: queue full or the key's quota used up (`retry_after`: seconds, if the server said)."""
+
     retry_after: float | None = None
 
 
 class ServerError(GenqError):
-    pass
+    """5xx: the server could not do it (no worker, Redis down, ...)."""
 
 
 class ConnectError(GenqError):
-    pass
+    """No answer: connection refused, reset or timed out."""
 
 
 class WaitTimeout(GenqError):
-    pass
+    """The job had not ended when `wait(timeout=...)` gave up."""
 
 
 class JobError(GenqError):
+    """The job ended without a result: it failed (`job_id`; `job`: its record, where the client has it)."""
+
     job_id: str | None = None
     job: dict | None = None
 
 
 class JobCancelled(JobError):
-    pass
+    """The job ended without a result because it was cancelled."""
 
 
 class BatchError(GenqError):
+    """A batch failed, expired or was cancelled (`batch`, `results`)."""
+
     batch: dict | None = None
     results: list | None = None
 

@@ -1,20 +1,9 @@
 """An in-process FAKE of OpenAI's Batch API (the five endpoints the client uses, and cancel),
-for the client's and the CLI's unit tests of `run_batch` / `genq batch` until the real
-/v1/files and /v1/batches exist in webapp (issue 10, items 1-3). It is not the server: it
-answers each line itself (the completion is the prompt upper-cased) and moves a batch on by
-`step` lines per GET, so that progress can be watched. Shapes follow OpenAI's documentation:
-
-- POST /v1/files (multipart: purpose=batch, file) -> file object; bad JSON on a line is a 400
-  naming the line
-- POST /v1/batches {input_file_id, endpoint, completion_window, metadata} -> batch object
-- GET /v1/batches/{id} -> batch (status validating -> in_progress -> finalizing -> completed;
-  request_counts {total, completed, failed}; output_file_id, error_file_id)
-- GET /v1/files/{id}/content -> JSONL: {id, custom_id, response {status_code, request_id,
-  body}, error}; lines whose request failed go to the error file
-- POST /v1/batches/{id}/cancel -> cancelling, then cancelled with the finished lines' output
-
-The output file lists lines in reverse order, as a real server may finish them in any order:
-the client must put them back in input order.
+for the client's and the CLI's unit tests of `run_batch` / `genq batch`, which need no stack.
+It is not the server (that is webapp/batches/): it answers each line itself (the completion is
+the prompt upper-cased) and moves a batch on by `step` lines per GET, so that progress can be
+watched. Shapes follow OpenAI's documentation. The output file lists lines in reverse order, as
+a real server may finish them in any order: the client must put them back in input order.
 """
 
 from __future__ import annotations
