@@ -10,7 +10,7 @@ GENQ_DTYPE=auto rule's dtype probed last; a disturbed probe lets the rule decide
 dtype, or `hf=...,vllm=...,server=...`. `--arch llama`: a Llama-shaped checkpoint of the same
 size. `--chat-clients N`: also `/v1/chat/completions` at N clients, beside `/v1/completions`.
 Logs and results.json: bench/out/vllm-<timestamp>/. Quick run: `python -m bench.vllm --model
-tiny --levels 1,2 --duration 2 --dtypes auto --no-write` (~3 min; `--systems hf`: under one).
+tiny --levels 1,2 --duration 2 --dtypes auto --no-write` (`--systems hf` alone is quicker).
 """
 
 from __future__ import annotations

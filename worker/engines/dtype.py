@@ -2,9 +2,9 @@
 
 bfloat16 halves the bytes a decode step reads, which wins wherever the CPU computes in bf16
 natively (AMX, AVX512-BF16). Elsewhere PyTorch converts to float32 and back around every
-matmul: on an AMD EPYC without either, a batch of 32 ran 2.5x slower in bfloat16 than in
-float32 (1.5 vs 3.7 req/s in-process; only batch 1 was faster). So `auto` picks bfloat16 only
-on native bf16 hardware, else float32; a GPU (vLLM's CUDA build) keeps vLLM's own `auto`.
+matmul, and bfloat16 ran slower than float32 there except at batch 1 (docs/benchmarks.md,
+"hf engine: bfloat16 without native bf16"). So `auto` picks bfloat16 only on native bf16
+hardware, else float32; a GPU (vLLM's CUDA build) keeps vLLM's own `auto`.
 """
 
 from __future__ import annotations

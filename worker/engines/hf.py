@@ -183,9 +183,9 @@ class HFEngine(Engine):
 
     def _start(self, pack: bool) -> bool:
         """Pack the linear layers here, on the thread that runs every forward: oneDNN
-        linears packed on another thread (the constructor's) ran a decode step on ~1.4 of 2
-        cores and 1.1-1.4x slower (docs/benchmarks.md, "Packed on the thread that runs
-        them"); PyTorch's own linears did not care which thread loaded them."""
+        linears packed on another thread (the constructor's) ran a decode step on fewer cores
+        and slower (docs/benchmarks.md, "Packed on the thread that runs them"); PyTorch's own
+        linears did not care which thread loaded them."""
         try:
             if pack:
                 log.info("linear layers: %s", packed.pack(self.lm))

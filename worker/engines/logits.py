@@ -402,8 +402,8 @@ def sample(
 
 
 # The likeliest tokens looked at first for top-p: a trained model's nucleus is mostly within
-# them, and a top-k of them costs a fraction of sorting the whole vocabulary (a 50k-token sort
-# per row took ~9 ms here, 300 ms a step for a batch of 32).
+# them, and a top-k of them costs a fraction of sorting the whole vocabulary (docs/benchmarks.md,
+# "hf engine sampler").
 NUCLEUS_FIRST_LOOK = 256
 
 

@@ -11,7 +11,7 @@ kvcache.py), foreground jobs first, and decides between two decode steps:
   interactive request never waits for a batch line to finish;
 - reaping: cancelled jobs and jobs past their deadline leave, running or waiting;
 - the background's cadence: while foreground rows run, background rows step only one decode
-  step in `background_every` (a batch of 32 steps ~3x slower than a batch of 1 on a CPU).
+  step in `background_every` (on a CPU a step of 32 rows takes several times a step of one: docs/benchmarks.md).
 """
 
 from __future__ import annotations
