@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Lazy imports (inside a function) known to close a cycle, to go: the request models' to_jobs()
 # builds webapp.completions.Jobs, and webapp.completions imports the request models.
-KNOWN = {("webapp.protocol", "webapp.completions"), ("webapp.chat", "webapp.completions")}
+KNOWN = {("webapp.protocol.openai", "webapp.completions")}
 
 
 def module_name(root: Path, path: Path) -> str:

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from helpers import stream, submit
-from webapp.protocol import N_MAX
+from webapp.protocol.openai import N_MAX
 
 
 @pytest.fixture(scope="module")

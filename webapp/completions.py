@@ -19,9 +19,10 @@ from flask import Response, current_app, request
 from pydantic import BaseModel
 
 from tasks.schemas import NO_CHAT_TEMPLATE, ChatOptions, SamplingParams, Scheduling, split_request
-from webapp import chat, protocol, sse
+from webapp import sse
 from webapp.auth import ApiKey
 from webapp.errors import APIError, error_body, job_error_status
+from webapp.protocol import openai
 from webapp.service import JobService
 
 Api = Literal["completions", "chat", "teaching", "jobs"]
@@ -163,7 +164,7 @@ class CompletionService:
         body = chat_body(sub, picked) if sub.jobs.api == "chat" else completion_body(sub, picked)
         if picked is not results:  # usage counts every completion generated
             prompt = sum(r["prompt_tokens"] for r in results[:: sub.jobs.best_of])
-            body["usage"] = protocol.usage(prompt, sum(r["completion_tokens"] for r in results)).model_dump()
+            body["usage"] = openai.usage(prompt, sum(r["completion_tokens"] for r in results)).model_dump()
         return body
 
     def answer(self, req: Jobs, owner: ApiKey | None) -> dict[str, Any] | Response:
@@ -202,13 +203,13 @@ def best(sub: Submitted, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def completion_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
     jobs, n = sub.jobs, sub.jobs.n
     choices = [
-        protocol.choice(k, (jobs.prompts[k // n] if jobs.echo else "") + r["text"], r["finish_reason"],
-                        r.get("logprobs"), prompt_logprobs=r.get("prompt_logprobs"),
-                        prompt_token_ids=r.get("prompt_token_ids"), token_ids=r.get("token_ids"))
+        openai.choice(k, (jobs.prompts[k // n] if jobs.echo else "") + r["text"], r["finish_reason"],
+                      r.get("logprobs"), prompt_logprobs=r.get("prompt_logprobs"),
+                      prompt_token_ids=r.get("prompt_token_ids"), token_ids=r.get("token_ids"))
         for k, r in enumerate(results)
     ]  # fmt: skip
-    total = protocol.usage(sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results))
-    return protocol.completion(sub.response_id, sub.model, choices, total, sub.created)
+    total = openai.usage(sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results))
+    return openai.completion(sub.response_id, sub.model, choices, total, sub.created)
 
 
 class _Relay:
@@ -256,12 +257,12 @@ class _Relay:
 class _CompletionRelay(_Relay):
     def chunk(self, i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> str:
         sub = self.sub
-        choice = protocol.choice(i, text, finish, logprobs)
-        return sse.event(protocol.completion(sub.response_id, sub.model, [choice], created=sub.created))
+        choice = openai.choice(i, text, finish, logprobs)
+        return sse.event(openai.completion(sub.response_id, sub.model, [choice], created=sub.created))
 
     def usage_chunk(self) -> str:
         sub = self.sub
-        return sse.event(protocol.completion(sub.response_id, sub.model, [], protocol.usage(*self.counts), sub.created))
+        return sse.event(openai.completion(sub.response_id, sub.model, [], openai.usage(*self.counts), sub.created))
 
     def head(self) -> list[str]:
         jobs = self.sub.jobs
@@ -274,35 +275,37 @@ class _CompletionRelay(_Relay):
 def chat_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
     top = sub.jobs.params.logprobs
     choices = [
-        chat.ChatChoice(
-            index=k, message=chat.AssistantMessage(content=r["text"]), finish_reason=chat.finish(r["finish_reason"]),
-            logprobs=chat.logprobs_of(r.get("logprobs"), top or 0) if top is not None else None,
+        openai.ChatChoice(
+            index=k, message=openai.AssistantMessage(content=r["text"]),
+            finish_reason=openai.finish(r["finish_reason"]),
+            logprobs=openai.logprobs_of(r.get("logprobs"), top or 0) if top is not None else None,
         )
         for k, r in enumerate(results)
     ]
-    total = protocol.usage(sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results))
-    body = chat.ChatCompletionResponse(id=sub.response_id, created=sub.created, model=sub.model, choices=choices,
-                                       usage=total)
+    total = openai.usage(sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results))
+    body = openai.ChatCompletionResponse(id=sub.response_id, created=sub.created, model=sub.model, choices=choices,
+                                         usage=total)
     return body.model_dump(mode="json")
 
 
 class _ChatRelay(_Relay):
-    def _event(self, choices: list[chat.ChatStreamChoice], usage: protocol.Usage | None = None) -> str:
+    def _event(self, choices: list[openai.ChatStreamChoice], usage: openai.Usage | None = None) -> str:
         sub = self.sub
-        chunk = chat.ChatCompletionChunk(id=sub.response_id, created=sub.created, model=sub.model, choices=choices,
-                                         usage=usage)
+        chunk = openai.ChatCompletionChunk(id=sub.response_id, created=sub.created, model=sub.model, choices=choices,
+                                           usage=usage)
         return sse.event(chunk.model_dump(mode="json", exclude=None if usage else {"usage"}))
 
     def chunk(self, i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> str:
         top = self.sub.jobs.params.logprobs
-        lp = chat.logprobs_of(logprobs, top) if top is not None and logprobs else None
-        delta = chat.Delta(content=text) if text or not finish else chat.Delta()
-        return self._event([chat.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=chat.finish(finish))])
+        lp = openai.logprobs_of(logprobs, top) if top is not None and logprobs else None
+        delta = openai.Delta(content=text) if text or not finish else openai.Delta()
+        choice = openai.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=openai.finish(finish))
+        return self._event([choice])
 
     def usage_chunk(self) -> str:
-        return self._event([], protocol.usage(*self.counts))
+        return self._event([], openai.usage(*self.counts))
 
     def head(self) -> list[str]:
         # Every choice opens with the assistant's role, as vLLM's and OpenAI's streams do.
-        role = chat.Delta(role="assistant", content="")
-        return [self._event([chat.ChatStreamChoice(index=k, delta=role)]) for k in range(len(self.sub.ids))]
+        role = openai.Delta(role="assistant", content="")
+        return [self._event([openai.ChatStreamChoice(index=k, delta=role)]) for k in range(len(self.sub.ids))]

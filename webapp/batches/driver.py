@@ -19,7 +19,6 @@ from redis.exceptions import LockError
 
 from tasks import keys
 from tasks.schemas import PRIORITY_MAX, JobStatus, Scheduling
-from webapp import chat, protocol
 from webapp.auth import ApiKey
 from webapp.batches.files import chunk_lines, now
 from webapp.batches.files import new_id as new_file_id
@@ -28,6 +27,7 @@ from webapp.batches.output import expired_line, response_line
 from webapp.batches.store import FINAL, BatchStore
 from webapp.completions import CompletionService, Submitted
 from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status
+from webapp.protocol import openai
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +368,8 @@ class BatchDriver:
             )
             return "error", response_line(custom_id, 400, None, body), []
         try:
-            model = chat.ChatCompletionRequest if rec["endpoint"] == "/v1/chat/completions" else protocol.CompletionRequest
+            chat = rec["endpoint"] == "/v1/chat/completions"
+            model = openai.ChatCompletionRequest if chat else openai.CompletionRequest
             jobs = model.model_validate(line.get("body")).to_jobs()
             if jobs.stream:
                 raise APIError(400, "invalid_request", "stream: a batch line cannot be streamed", param="stream")
@@ -381,7 +382,7 @@ class BatchDriver:
         except APIError as exc:
             if exc.status in (429, 503):
                 raise Backoff() from exc
-            exc = protocol.named_as_requested(exc)  # `max_tokens`, as the routes say (not `max_new_tokens`)
+            exc = openai.named_as_requested(exc)  # `max_tokens`, as the routes say (not `max_new_tokens`)
             return "error", response_line(custom_id, exc.status, None, exc.body()), []
         entry = {"custom_id": custom_id, **sub.entry()}
         return "pending", json.dumps(entry), sub.ids

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from flask import Blueprint
 
-from webapp import chat, tokens
+from webapp import tokens
 from webapp.completions import current_completions
 from webapp.openapi import SUBMIT_ERRORS, doc
+from webapp.protocol import openai
 from webapp.routes._body import parse
 from webapp.service import current_service
 
@@ -15,23 +16,23 @@ bp = Blueprint("tokens", __name__)
 
 
 @bp.post("/tokenize")
-@doc(body=chat.TokenizeRequest, response=chat.TokenizeResponse, errors=(*SUBMIT_ERRORS, 504), tag="tokens")
+@doc(body=openai.TokenizeRequest, response=openai.TokenizeResponse, errors=(*SUBMIT_ERRORS, 504), tag="tokens")
 def tokenize():
     """The token ids of a prompt, or of a conversation's prompt as its chat template renders it."""
-    req = parse(chat.TokenizeRequest).root
+    req = parse(openai.TokenizeRequest).root
     body = {"op": "tokenize", "add_special_tokens": req.add_special_tokens, "return_token_strs": req.return_token_strs}
-    if isinstance(req, chat.TokenizeChat):
+    if isinstance(req, openai.TokenizeChat):
         current_completions().require_chat_template(current_service().resolve_model(req.model))
         body["chat"] = req.chat_options().model_dump(mode="json")
     else:
         body["prompt"] = req.prompt
-    return chat.TokenizeResponse.model_validate(tokens.ask(current_service(), req.model, body)).model_dump()
+    return openai.TokenizeResponse.model_validate(tokens.ask(current_service(), req.model, body)).model_dump()
 
 
 @bp.post("/detokenize")
-@doc(body=chat.DetokenizeRequest, response=chat.DetokenizeResponse, errors=(*SUBMIT_ERRORS, 504), tag="tokens")
+@doc(body=openai.DetokenizeRequest, response=openai.DetokenizeResponse, errors=(*SUBMIT_ERRORS, 504), tag="tokens")
 def detokenize():
     """The text of token ids."""
-    req = parse(chat.DetokenizeRequest)
+    req = parse(openai.DetokenizeRequest)
     answer = tokens.ask(current_service(), req.model, {"op": "detokenize", "tokens": req.tokens})
-    return chat.DetokenizeResponse.model_validate(answer).model_dump()
+    return openai.DetokenizeResponse.model_validate(answer).model_dump()

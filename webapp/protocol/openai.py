@@ -1,18 +1,12 @@
-"""OpenAI's completions wire format: the request we accept and the bodies we send, as pydantic
-models (the request next to its responses, in the spirit of vLLM's `protocol.py`).
+"""OpenAI's wire formats, with vLLM's extensions: /v1/completions, /v1/chat/completions and
+/v1/models, and vLLM's /tokenize and /detokenize. Each request sits next to its responses (in the
+spirit of vLLM's `protocol.py`) and turns itself into the request's jobs (`to_jobs()`).
 
-The request takes OpenAI's parameters and vLLM's extensions (the unknown-field policy):
-
-- those this server implements are passed to the job's SamplingParams (`VLLMFields` holds the
-  vLLM ones that completions and chat share);
-- those that cannot change the output (`user`, `metadata`, `store`, `service_tier`,
-  `request_id`, ...) are accepted and ignored;
-- those that would change it and are not implemented are accepted at their neutral values only
-  (clients written for vLLM send many of them that way) and refused with a 400 naming the
-  parameter otherwise (`refuse_unsupported`);
-- a field in neither OpenAI's schema nor vLLM's is a 400 naming it (`extra="forbid"`).
-
-Errors name the request's fields (`max_tokens`, `structured_outputs.json`), not the job's."""
+The unknown-field policy (README): the parameters this server implements go into the job's
+SamplingParams; those that cannot change the output are accepted and ignored; those that would
+and are not implemented are accepted at their neutral values only (`NEUTRAL`, `CHAT_NEUTRAL`)
+and refused with a 400 naming them otherwise; a field in neither OpenAI's schema nor vLLM's is
+a 400 (`extra="forbid"`). Errors name the request's fields (`max_tokens`), not the job's."""
 
 from __future__ import annotations
 
@@ -21,11 +15,11 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationInfo, field_validator
 
 from tasks.schemas import (
-    LOGPROBS_MAX, PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN, STOP_TOKEN_IDS_MAX, TOKEN_ID_MAX, Logprobs,
-    PromptLogprob, SamplingParams, Scheduling,
+    LOGPROBS_MAX, PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN, STOP_TOKEN_IDS_MAX, TOKEN_ID_MAX, ChatMessage,
+    ChatOptions, Logprobs, PromptLogprob, SamplingParams, Scheduling,
 )
 from webapp.errors import APIError
 
@@ -222,6 +216,9 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="vLLM's; accepted, not used")
+
+
+# -- /v1/completions ------------------------------------------------------------------------
 
 
 class CompletionRequest(VLLMFields):
@@ -462,6 +459,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     )
 
 
+# -- /v1/models ----------------------------------------------------------------------------
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -476,3 +476,321 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- /v1/chat/completions ---------------------------------------------------------------------
+# A conversation is one job per choice; its messages travel with the job (JobSpec.chat) and the
+# worker renders them with the model's chat template (worker/chat.py).
+
+# Parameters accepted only at a value that changes nothing, with those values.
+CHAT_NEUTRAL: dict[str, tuple] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "chat_template": (None,),
+    "documents": (None, []),
+    "echo": (None, False),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "return_tokens_as_token_ids": (None, False),
+    "logits_processors": (None, []),
+    "mm_processor_kwargs": (None, {}),
+    "vllm_xargs": (None, {}),
+}
+
+# Names apply_chat_template takes itself: not the template's to set.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "chat_template", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(BaseModel):
+    """A message of the conversation: `content` is a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def to_message(self) -> ChatMessage:
+        # Text parts are joined by newlines, as vLLM joins them for a string-content template.
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return ChatMessage(role=self.role, content=text, name=self.name)
+
+
+class ChatTemplateFields(BaseModel):
+    """The chat-template options of a chat request and of /tokenize with messages."""
+
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    add_generation_prompt: bool = Field(True, description="end the prompt where the assistant's reply begins")
+    continue_final_message: bool = Field(False, description="the reply continues the last (assistant) message")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the template")
+
+    def chat_options(self) -> ChatOptions:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(
+                400, "invalid_request", "add_generation_prompt and continue_final_message cannot both be true",
+                param="continue_final_message",
+            )
+        kwargs = self.chat_template_kwargs or {}
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if clash:
+            raise APIError(
+                400, "invalid_request", f"chat_template_kwargs: {clash[0]!r} cannot be set there",
+                param="chat_template_kwargs",
+            )
+        return ChatOptions(
+            messages=[m.to_message() for m in self.messages], add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message, chat_template_kwargs=kwargs,
+        )
+
+
+class ChatCompletionRequest(ChatTemplateFields, VLLMFields):
+    """Body of POST /v1/chat/completions. A field sent as null takes its default. vLLM's
+    sampling and output fields (`VLLMFields`, `response_format` among them) as completions'."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, description="default: max_tokens")
+    max_tokens: int | None = Field(None, ge=1, description="default: GENQ_DEFAULT_MAX_NEW_TOKENS")
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    n: int | None = Field(1, ge=1, le=N_MAX, description=f"choices, at most {N_MAX}")
+    best_of: int | None = Field(None, ge=1, le=N_MAX, description="generate this many, return the n of highest cumulative logprob")
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="with logprobs")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    user: str | None = None
+    # vLLM's extensions.
+    top_k: int | None = Field(0, ge=-1, description="0 or -1 disables top-k")
+    ignore_eos: bool | None = False
+    repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    min_tokens: int | None = Field(0, ge=0, le=2**31 - 1)
+    stop_token_ids: list[int] | None = Field(None, max_length=STOP_TOKEN_IDS_MAX)
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True, description="lower is served first")
+    # Accepted and not used: they do not change what is generated.
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+    # Accepted at their neutral values only (CHAT_NEUTRAL); anything else is refused.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    echo: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    return_tokens_as_token_ids: Any = None
+    logits_processors: Any = None
+    mm_processor_kwargs: Any = None
+    vllm_xargs: Any = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("add_generation_prompt", "continue_final_message", mode="before")
+    @classmethod
+    def _null_is_default(cls, v, info):
+        if v is None:
+            return info.field_name == "add_generation_prompt"
+        return v
+
+    def refuse_unsupported(self) -> None:
+        for name, neutral in CHAT_NEUTRAL.items():
+            if getattr(self, name) not in neutral:
+                raise APIError(400, "unsupported_parameter", f"{name} is not supported", param=name)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "invalid_request", "top_logprobs: needs logprobs: true", param="top_logprobs")
+
+    def to_jobs(self) -> "Jobs":
+        """The conversation's jobs: one per choice, with its SamplingParams and messages."""
+        from webapp.completions import Jobs
+
+        self.refuse_unsupported()
+        most = self.max_completion_tokens or self.max_tokens
+        if self.min_tokens and most is not None and self.min_tokens > most:
+            raise APIError(400, "invalid_request", f"min_tokens: must not exceed max_tokens ({most})", param="min_tokens")
+        params = SamplingParams.model_validate({
+            "max_new_tokens": most,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": max(self.top_k or 0, 0),
+            "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
+            "ignore_eos": bool(self.ignore_eos),
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "min_tokens": self.min_tokens or 0,
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+            **self.output_params(),
+        })
+        n, best_of = self.n or 1, self.best_of
+        if best_of is not None and best_of < n:
+            raise APIError(400, "invalid_request", f"best_of must be at least n ({n})", param="best_of")
+        if (best_of or 1) > n and self.stream:
+            raise APIError(400, "invalid_request", "best_of above n cannot be streamed", param="best_of")
+        return Jobs(
+            [""], params, Scheduling(priority=self.priority), model=self.model, n=self.n or 1, api="chat",
+            stream=bool(self.stream), include_usage=bool(self.stream_options and self.stream_options.include_usage),
+            chat=self.chat_options(), best_of=best_of if (best_of or 1) > n else None,
+        )
+
+
+# -- chat's responses -----------------------------------------------------------------------
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the `top_logprobs` likeliest tokens at this place")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = Field(None, description="with the request's `logprobs`")
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    """POST /v1/chat/completions' answer."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: Delta = Field(description="the choice's new text (its first chunk: the role)")
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = Field(None, description="null until the choice has ended")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One chunk of a streamed chat completion: every choice opens with its role, then its
+    text comes; with `stream_options.include_usage`, a last chunk without choices has `usage`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = Field(None, description="only in the last chunk, and left out of the others")
+
+
+def logprobs_of(lp: dict | None, top: int) -> ChatLogprobs | None:
+    """A job's log-probabilities (completions' format) in chat's: per token, its own and the
+    `top` likeliest."""
+    if lp is None:
+        return None
+
+    def entry(token: str, value: float) -> dict:
+        return {"token": token, "logprob": value, "bytes": list(token.encode("utf-8"))}
+
+    content = []
+    for token, value, alts in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        best = sorted(alts.items(), key=lambda kv: -kv[1])[:top]
+        content.append({**entry(token, value), "top_logprobs": [entry(t, v) for t, v in best]})
+    return ChatLogprobs(content=content)
+
+
+def finish(reason: str | None) -> str | None:
+    return FINISH.get(reason, "stop") if reason else None
+
+
+# -- /tokenize and /detokenize (vLLM's) --------------------------------------------------------
+
+
+class TokenizePrompt(BaseModel):
+    """Body of POST /tokenize for a prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="as a completion's prompt is tokenized")
+    return_token_strs: bool = False
+
+
+class TokenizeChat(ChatTemplateFields):
+    """Body of POST /tokenize for a conversation: the prompt its chat template renders."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    add_special_tokens: bool = Field(False, description="the template holds its special tokens already")
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizeRequest(RootModel[TokenizeChat | TokenizePrompt]):
+    """Body of POST /tokenize: a `prompt`, or the `messages` of a conversation."""
