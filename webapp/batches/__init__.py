@@ -1,6 +1,7 @@
 """OpenAI's Batch API on the job queue: files (`files.py`), batches (`store.py`), the driver
-that runs them (`driver.py`), their output lines (`output.py`) and wire formats (`models.py`).
-The routes are webapp/routes/batches.py; how a batch runs: docs/design.md, "Batches"."""
+that runs them (`driver.py`) and their output lines (`output.py`). The wire formats are
+webapp/protocol/batches.py, the routes webapp/routes/batches.py; how a batch runs:
+docs/design.md, "Batches"."""
 
 from __future__ import annotations
 

@@ -22,12 +22,12 @@ from tasks.schemas import PRIORITY_MAX, JobStatus, Scheduling
 from webapp.auth import ApiKey
 from webapp.batches.files import chunk_lines, now
 from webapp.batches.files import new_id as new_file_id
-from webapp.batches.models import BatchLine
 from webapp.batches.output import expired_line, response_line
 from webapp.batches.store import FINAL, BatchStore
 from webapp.completions import CompletionService, Submitted
 from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status
 from webapp.protocol import openai
+from webapp.protocol.batches import BatchLine
 
 log = logging.getLogger(__name__)
 

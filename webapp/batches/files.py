@@ -15,8 +15,8 @@ import redis
 from tasks import keys
 from tasks.config import Settings
 from webapp import ids
-from webapp.batches.models import File, FileDeleted
 from webapp.errors import BROKER_ERRORS, APIError, owned
+from webapp.protocol.batches import File, FileDeleted
 
 CHUNK_BYTES = 16 * 1024
 

@@ -15,8 +15,8 @@ from tasks.config import Settings
 from webapp import ids
 from webapp.auth import ApiKey
 from webapp.batches.files import FileStore, now
-from webapp.batches.models import Batch, BatchList, BatchRequest
 from webapp.errors import APIError, owned
+from webapp.protocol.batches import Batch, BatchList, BatchRequest
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "expired", "cancelled")

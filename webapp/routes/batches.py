@@ -17,9 +17,9 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from webapp import auth, ids
 from webapp.batches import current_batches
 from webapp.batches.files import LineError
-from webapp.batches.models import Batch, BatchList, BatchRequest, File, FileDeleted, FileUpload
 from webapp.errors import APIError
 from webapp.openapi import Param, doc
+from webapp.protocol.batches import Batch, BatchList, BatchRequest, File, FileDeleted, FileUpload
 from webapp.routes._body import parse
 
 bp = Blueprint("batches", __name__, url_prefix="/v1")
