@@ -1,6 +1,6 @@
 """Every error leaves the API as JSON `{"error": {"code", "message", "type", "param"}}` with a
 4xx/5xx status: our own `code` and `message`, plus the `type` and `param` of OpenAI's error
-format, so OpenAI clients read our errors too."""
+format, so OpenAI clients read our errors too (its model: webapp/protocol/errors.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import logging
 import redis
 from flask import Flask, current_app, jsonify
 from kombu.exceptions import OperationalError
-from typing import Literal
-
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
+
+from webapp.protocol.errors import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -88,22 +88,11 @@ def owned(rec: dict | None, owner: str | None, what: str, ident: str) -> dict:
     return rec
 
 
-class ErrorDetail(BaseModel):
-    code: str = Field(description="what went wrong, for programs: `invalid_request`, `not_found`, ...")
-    message: str = Field(description="what went wrong, for people")
-    type: Literal["invalid_request_error", "server_error"] = Field(description="OpenAI's error type")
-    param: str | None = Field(description="the request field at fault, where one is")
-
-
-class ErrorResponse(BaseModel):
-    """The body of every error response (and of an SSE `error` event)."""
-
-    error: ErrorDetail
-
-
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
+    """The error shape (webapp.protocol.errors.ErrorResponse) as JSON: a 4xx is the client's
+    error (`invalid_request_error`), a 5xx the server's."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"code": code, "message": message, "type": kind, "param": param}}
+    return ErrorResponse(error=ErrorDetail(code=code, message=message, type=kind, param=param)).model_dump()
 
 
 def error_response(

@@ -8,9 +8,10 @@ know with `@doc(...)`: its request model, its responses, its query and header pa
 the error statuses it may answer. A route without `@doc` is still listed, with its docstring
 and a generic error response.
 
-Every error is the JSON of webapp.errors.ErrorResponse. With API keys configured, every path
-but the open ones (webapp.auth.OPEN_PATHS, this document included) requires the bearer key and
-documents 401. Deployment limits (body size, max_new_tokens, ?wait=) are given in the text.
+Every error is the JSON of webapp.protocol.errors.ErrorResponse. With API keys configured,
+every path but the open ones (webapp.auth.OPEN_PATHS, this document included) requires the
+bearer key and documents 401. Deployment limits (body size, max_new_tokens, ?wait=) are given
+in the text.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from webapp import auth
-from webapp.errors import ErrorResponse
+from webapp.protocol.errors import ErrorResponse
 
 OPENAPI_VERSION = "3.1.0"
 REF = "#/components/schemas/{model}"
