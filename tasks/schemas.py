@@ -1,12 +1,12 @@
-"""Pydantic schemas of what travels between the API and the workers.
+"""Pydantic schemas of what travels between the API and the workers: the job contract.
 
 `JobSpec` is what the API validates and puts on the queue; `GenerationResult` is what a worker
-returns into the Celery result backend. Both are plain JSON on the wire.
+returns into the Celery result backend. Both are plain JSON on the wire. The HTTP API's own
+request and response bodies are webapp/protocol/.
 """
 
 from __future__ import annotations
 
-import time
 from enum import Enum
 from typing import Any, Literal
 
@@ -231,69 +231,6 @@ class SamplingParams(BaseModel):
 # that there is room above (urgent) and below (batch work). tasks/celery_app.py maps it onto
 # the broker's priority sub-queues.
 PRIORITY_MIN, PRIORITY_MAX = -4, 4
-# The longest `timeout_s`, and the latest `deadline` (unix time), a job may ask for: beyond them
-# a time no longer fits a date (they are refused, not clamped).
-TIMEOUT_S_MAX = 365 * 86_400.0
-DEADLINE_MAX = 2.0**32
-
-
-class Scheduling(BaseModel):
-    """When a job runs: its place among the waiting jobs and how long it may wait and run."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, description="lower is served first")
-    timeout_s: float | None = Field(
-        None, gt=0, le=TIMEOUT_S_MAX, allow_inf_nan=False, description="seconds from submission"
-    )
-    deadline: float | None = Field(
-        None, gt=0, le=DEADLINE_MAX, allow_inf_nan=False, description="unix time"
-    )
-
-    @field_validator("deadline")
-    @classmethod
-    def _ahead(cls, v: float | None) -> float | None:
-        if v is not None and v <= time.time():
-            raise ValueError("already passed")
-        return v
-
-    def deadline_from(self, now: float) -> float | None:
-        """The job's absolute deadline: the earlier of `deadline` and `now + timeout_s`."""
-        times = [t for t in (self.deadline, self.timeout_s and now + self.timeout_s) if t]
-        return min(times) if times else None
-
-
-def split_request(req: BaseModel, exclude: set[str]) -> tuple[SamplingParams, Scheduling]:
-    """A request body's sampling parameters and scheduling fields, the rest (`exclude`) left out."""
-    data = req.model_dump(exclude=exclude)
-    sched = {k: data.pop(k) for k in Scheduling.model_fields if k in data}
-    return SamplingParams.model_validate(data), Scheduling.model_validate(sched)
-
-
-class JobRequest(SamplingParams, Scheduling):
-    """Body of POST /v1/jobs."""
-
-    prompt: str = Field(min_length=1)
-    model: str | None = Field(None, min_length=1)
-
-
-class BasicGenerateRequest(SamplingParams, Scheduling):
-    """Body of the teaching server's POST /basic_generate."""
-
-    prompt: str = Field(min_length=1)
-
-
-class GenerateRequest(SamplingParams, Scheduling):
-    """Body of the teaching server's POST /generate."""
-
-    prompts: list[str] = Field(max_length=256)
-
-    @field_validator("prompts")
-    @classmethod
-    def _non_empty_prompts(cls, v: list[str]) -> list[str]:
-        if any(p == "" for p in v):
-            raise ValueError("prompts must not be empty strings")
-        return v
 
 
 class ChatMessage(BaseModel):
@@ -379,8 +316,3 @@ class GenerationResult(BaseModel):
     )
     prompt_token_ids: list[int] | None = Field(None, description="with `return_token_ids`")
     token_ids: list[int] | None = Field(None, description="with `return_token_ids`: the completion's")
-
-
-class ErrorBody(BaseModel):
-    code: str
-    message: str

@@ -18,11 +18,12 @@ from typing import Any, Iterator, Literal
 from flask import Response, current_app, request
 from pydantic import BaseModel
 
-from tasks.schemas import NO_CHAT_TEMPLATE, ChatOptions, SamplingParams, Scheduling, split_request
+from tasks.schemas import NO_CHAT_TEMPLATE, ChatOptions, SamplingParams
 from webapp import sse
 from webapp.auth import ApiKey
 from webapp.errors import APIError, error_body, job_error_status
 from webapp.protocol import openai
+from webapp.protocol.jobs import Scheduling, split_request
 from webapp.service import JobService
 
 Api = Literal["completions", "chat", "teaching", "jobs"]

@@ -25,10 +25,11 @@ from tasks.celery_app import job_message, publish_job
 from tasks.config import Settings, queue_for
 from tasks.jobs import RESULT_RAW, JobStore, QuotaExceeded, decode_record
 from tasks.registry import Registry, WorkerInfo
-from tasks.schemas import ChatOptions, JobSpec, JobStatus, SamplingParams, Scheduling
+from tasks.schemas import ChatOptions, JobSpec, JobStatus, SamplingParams
 from tasks.streams import StreamEnd, TokenEvent, follow
 from webapp.auth import ApiKey
 from webapp.errors import BROKER_ERRORS, BROKER_RETRY_AFTER, BROKER_UNAVAILABLE, APIError, job_error_status, owned
+from webapp.protocol.jobs import Scheduling
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from redis.exceptions import LockError
 
 from tasks import keys
-from tasks.schemas import PRIORITY_MAX, JobStatus, Scheduling
+from tasks.schemas import PRIORITY_MAX, JobStatus
 from webapp.auth import ApiKey
 from webapp.batches.files import chunk_lines, now
 from webapp.batches.files import new_id as new_file_id
@@ -28,6 +28,7 @@ from webapp.completions import CompletionService, Submitted
 from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status
 from webapp.protocol import openai
 from webapp.protocol.batches import BatchLine
+from webapp.protocol.jobs import Scheduling
 
 log = logging.getLogger(__name__)
 

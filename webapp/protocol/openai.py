@@ -19,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationInfo, fi
 
 from tasks.schemas import (
     LOGPROBS_MAX, PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN, STOP_TOKEN_IDS_MAX, TOKEN_ID_MAX, ChatMessage,
-    ChatOptions, Logprobs, PromptLogprob, SamplingParams, Scheduling,
+    ChatOptions, Logprobs, PromptLogprob, SamplingParams,
 )
 from webapp.errors import APIError
+from webapp.protocol.jobs import Scheduling
 
 if TYPE_CHECKING:
     from webapp.completions import Jobs

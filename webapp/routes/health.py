@@ -6,7 +6,7 @@ from flask import Blueprint
 
 from webapp.errors import BROKER_ERRORS, BROKER_RETRY_AFTER, error_response
 from webapp.openapi import doc
-from webapp.responses import Health, Ready
+from webapp.protocol.jobs import Health, Ready
 from webapp.service import current_service
 
 bp = Blueprint("health", __name__)

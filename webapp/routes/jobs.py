@@ -6,13 +6,12 @@ import math
 
 from flask import Blueprint, current_app, request, url_for
 
-from tasks.schemas import JobRequest
 from tasks.streams import parse_event_id
 from webapp import auth, sse
 from webapp.completions import Jobs, current_completions
 from webapp.errors import APIError, error_body, job_error_status
 from webapp.openapi import SSE, SUBMIT_ERRORS, Param, doc
-from webapp.responses import JobCreated, JobView
+from webapp.protocol.jobs import JobCreated, JobRequest, JobView
 from webapp.routes._body import parse
 from webapp.service import current_service
 

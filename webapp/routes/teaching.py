@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from flask import Blueprint, request
 
-from tasks.schemas import BasicGenerateRequest, GenerateRequest
 from webapp import auth, sse
 from webapp.completions import Jobs, Submitted, current_completions
 from webapp.openapi import BLOCKING_ERRORS, SSE, SUBMIT_ERRORS, doc
-from webapp.responses import BasicGenerateResponse, GenerateResponse
+from webapp.protocol.jobs import BasicGenerateRequest, BasicGenerateResponse, GenerateRequest, GenerateResponse
 from webapp.routes._body import parse
 from webapp.service import current_service
 

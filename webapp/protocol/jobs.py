@@ -1,0 +1,155 @@
+"""The job API's wire formats (/v1/jobs), the teaching endpoints' (/basic_generate, /generate,
+/generate_vllm, /generate_stream) and the health routes': the request bodies (a prompt beside
+SamplingParams and Scheduling fields) and the bodies the routes answer with, which /openapi.json
+documents. What a job is to the workers (JobSpec, SamplingParams, GenerationResult) is
+tasks/schemas.py."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tasks.schemas import PRIORITY_MAX, PRIORITY_MIN, GenerationResult, JobStatus, SamplingParams
+
+# The longest `timeout_s`, and the latest `deadline` (unix time), a job may ask for: beyond them
+# a time no longer fits a date (they are refused, not clamped).
+TIMEOUT_S_MAX = 365 * 86_400.0
+DEADLINE_MAX = 2.0**32
+
+
+class Scheduling(BaseModel):
+    """When a job runs: its place among the waiting jobs and how long it may wait and run."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, description="lower is served first")
+    timeout_s: float | None = Field(
+        None, gt=0, le=TIMEOUT_S_MAX, allow_inf_nan=False, description="seconds from submission"
+    )
+    deadline: float | None = Field(
+        None, gt=0, le=DEADLINE_MAX, allow_inf_nan=False, description="unix time"
+    )
+
+    @field_validator("deadline")
+    @classmethod
+    def _ahead(cls, v: float | None) -> float | None:
+        if v is not None and v <= time.time():
+            raise ValueError("already passed")
+        return v
+
+    def deadline_from(self, now: float) -> float | None:
+        """The job's absolute deadline: the earlier of `deadline` and `now + timeout_s`."""
+        times = [t for t in (self.deadline, self.timeout_s and now + self.timeout_s) if t]
+        return min(times) if times else None
+
+
+def split_request(req: BaseModel, exclude: set[str]) -> tuple[SamplingParams, Scheduling]:
+    """A request body's sampling parameters and scheduling fields, the rest (`exclude`) left out."""
+    data = req.model_dump(exclude=exclude)
+    sched = {k: data.pop(k) for k in Scheduling.model_fields if k in data}
+    return SamplingParams.model_validate(data), Scheduling.model_validate(sched)
+
+
+class JobRequest(SamplingParams, Scheduling):
+    """Body of POST /v1/jobs."""
+
+    prompt: str = Field(min_length=1)
+    model: str | None = Field(None, min_length=1)
+
+
+class BasicGenerateRequest(SamplingParams, Scheduling):
+    """Body of the teaching server's POST /basic_generate."""
+
+    prompt: str = Field(min_length=1)
+
+
+class GenerateRequest(SamplingParams, Scheduling):
+    """Body of the teaching server's POST /generate."""
+
+    prompts: list[str] = Field(max_length=256)
+
+    @field_validator("prompts")
+    @classmethod
+    def _non_empty_prompts(cls, v: list[str]) -> list[str]:
+        if any(p == "" for p in v):
+            raise ValueError("prompts must not be empty strings")
+        return v
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+class JobCreated(BaseModel):
+    """202 from POST /v1/jobs; the Location header names the job."""
+
+    id: str
+    status: Literal["queued"] = "queued"
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+
+
+class JobTimings(BaseModel):
+    created: float = Field(description="unix time")
+    started: float | None = Field(description="unix time the job (its last attempt) started")
+    finished: float | None = Field(description="unix time")
+    queued_s: float | None = Field(None, description="once started")
+    run_s: float | None = Field(None, description="once finished, if it ran")
+    total_s: float | None = Field(None, description="once finished")
+
+
+class JobView(BaseModel):
+    """GET /v1/jobs/{job_id} and POST /v1/jobs/{job_id}/cancel."""
+
+    id: str
+    model: str
+    status: JobStatus
+    attempts: int = Field(description="runs started, the current one included")
+    attempts_forgiven: int = Field(
+        0, description="runs whose worker was lost beside other running jobs: not counted against GENQ_MAX_ATTEMPTS"
+    )
+    priority: int = Field(description="lower is served first")
+    deadline: float | None = Field(description="unix time")
+    timings: JobTimings
+    worker: str | None = Field(None, description="the worker that ran it (its last attempt)")
+    error: ErrorBody | None = Field(None, description="why a failed, cancelled or expired job ended")
+    result: GenerationResult | None = Field(
+        None, description="a succeeded job's result, or a failed (timed out) job's partial one"
+    )
+
+
+class BasicGenerateResponse(BaseModel):
+    generated_text: str = Field(description="the prompt and its completion")
+
+
+class GenerateResponse(BaseModel):
+    generated_texts: list[str] = Field(
+        description="/generate: each prompt with its completion; /generate_vllm: the completions alone"
+    )
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyWorker(BaseModel):
+    name: str
+    model: str | None = None
+    engine: str
+    device: str = Field("cpu", description="where it runs the model: cpu, cuda:N")
+    capacity: int
+    host: str | None = None
+    metrics_port: int | None = None
+
+
+class Ready(BaseModel):
+    status: Literal["ready"]
+    model: str
+    workers: list[ReadyWorker] = Field(description="the live workers serving `model`")
+    other_workers: list[ReadyWorker] = Field(
+        default_factory=list, description="the live workers serving other models (each with its metrics port)"
+    )
