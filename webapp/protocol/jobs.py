@@ -7,7 +7,7 @@ tasks/schemas.py."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -98,8 +98,8 @@ class JobTimings(BaseModel):
     started: float | None = Field(description="unix time the job (its last attempt) started")
     finished: float | None = Field(description="unix time")
     queued_s: float | None = Field(None, description="once started")
-    run_s: float | None = Field(None, description="once finished, if it ran")
     total_s: float | None = Field(None, description="once finished")
+    run_s: float | None = Field(None, description="once finished, if it ran")
 
 
 class JobView(BaseModel):
@@ -121,6 +121,12 @@ class JobView(BaseModel):
         None, description="a succeeded job's result, or a failed (timed out) job's partial one"
     )
 
+    @classmethod
+    def answer(cls, view: dict[str, Any]) -> dict[str, Any]:
+        """A job's view (tasks.jobs.decode_record, with its result) as the body: checked against
+        this model, and with only the fields the view has (none added as null)."""
+        return cls.model_validate(view).model_dump(exclude_unset=True)
+
 
 class BasicGenerateResponse(BaseModel):
     generated_text: str = Field(description="the prompt and its completion")
@@ -140,9 +146,9 @@ class ReadyWorker(BaseModel):
     name: str
     model: str | None = None
     engine: str
-    device: str = Field("cpu", description="where it runs the model: cpu, cuda:N")
     capacity: int
     host: str | None = None
+    device: str = Field("cpu", description="where it runs the model: cpu, cuda:N")
     metrics_port: int | None = None
 
 

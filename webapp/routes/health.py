@@ -6,7 +6,7 @@ from flask import Blueprint
 
 from webapp.errors import BROKER_ERRORS, BROKER_RETRY_AFTER, error_response
 from webapp.openapi import doc
-from webapp.protocol.jobs import Health, Ready
+from webapp.protocol.jobs import Health, Ready, ReadyWorker
 from webapp.service import current_service
 
 bp = Blueprint("health", __name__)
@@ -33,12 +33,12 @@ def readyz():
     workers = [w for w in live if w.model == model]
     if not workers:
         return error_response(503, "not_ready", f"no live worker with a loaded model serves {model!r}")
-    shown = {"name", "model", "engine", "device", "capacity", "host", "metrics_port"}
-    return {
-        "status": "ready",
-        "model": model,
-        "workers": [w.model_dump(include=shown) for w in workers],
+    shown = set(ReadyWorker.model_fields)
+    return Ready(
+        status="ready",
+        model=model,
+        workers=[ReadyWorker(**w.model_dump(include=shown)) for w in workers],
         # The workers of the other models (a second engine's, GENQ_ENGINES=hf,vllm): every
         # metrics port is here.
-        "other_workers": [w.model_dump(include=shown) for w in live if w.model != model],
-    }
+        other_workers=[ReadyWorker(**w.model_dump(include=shown)) for w in live if w.model != model],
+    ).model_dump()

@@ -38,7 +38,7 @@ def create_job():
 def get_job(job_id: str):
     """A job: its status, timings, and its result or error once it has ended."""
     wait = _wait_arg()
-    return current_service().view(job_id, wait, owner=auth.owner_name())
+    return JobView.answer(current_service().view(job_id, wait, owner=auth.owner_name()))
 
 
 RESTARTED = "the job started over on another worker: discard the text received so far"
@@ -96,7 +96,7 @@ def _last_event_id() -> str:
 @doc(response=JobView, errors=(404, 409, 503))
 def cancel_job(job_id: str):
     """Cancel a job that has not ended; it is returned as it is then."""
-    return current_service().cancel(job_id, auth.owner_name())
+    return JobView.answer(current_service().cancel(job_id, auth.owner_name()))
 
 
 def _wait_arg() -> float:

@@ -43,7 +43,7 @@ def generate():
     """Complete several prompts, blocking until all are done."""
     req = parse(GenerateRequest)
     completions = _completions(_submit(req.prompts, req))
-    return {"generated_texts": [p + c for p, c in zip(req.prompts, completions)]}
+    return GenerateResponse(generated_texts=[p + c for p, c in zip(req.prompts, completions)]).model_dump()
 
 
 @bp.post("/generate_vllm")
@@ -51,7 +51,7 @@ def generate():
 def generate_vllm():
     """Completions without their prompts, as vLLM returns them, from a vLLM worker."""
     req = parse(GenerateRequest)
-    return {"generated_texts": _completions(_submit(req.prompts, req, engine="vllm"))}
+    return GenerateResponse(generated_texts=_completions(_submit(req.prompts, req, engine="vllm"))).model_dump()
 
 
 @bp.post("/generate_stream")
