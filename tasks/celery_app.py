@@ -45,17 +45,14 @@ Why each setting:
 
 from __future__ import annotations
 
-import base64
-import json
-import uuid
-from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from celery import Celery, signals
+from celery import Celery
 
-from tasks import redis_conn
+from tasks import kombu_compat, redis_conn
 from tasks.backend import backend_url
 from tasks.config import Settings, get_settings, queue_for
+from tasks.kombu_compat import BROKER_SEP, TaskMessage
 from tasks.schemas import PRIORITY_MAX, PRIORITY_MIN, JobSpec
 
 GENERATE_TASK = "genq.generate"
@@ -63,38 +60,12 @@ GENERATE_TASK = "genq.generate"
 TOKENIZE_TASK = "genq.tokenize"
 
 
-def _reuse_kombu_clients() -> None:
-    """kombu's Redis channel builds a new `redis.Redis` object (over its one connection pool)
-    for every publish and every ack: measurably the largest single cost of sending a job
-    (docs/benchmarks.md, "front end cost per request"). A redis-py client is thread-safe and
-    holds no connection of its own, so one per channel and pool does the same. The async
-    client (the worker's BRPOP) is left as kombu makes it; a channel whose pool was replaced
-    (after a connection error) gets a new client for the new pool."""
-    from kombu.transport import redis as kredis
-
-    if getattr(kredis.Channel, "_genq_reuses_clients", False):
-        return
-    build = kredis.Channel._create_client
-
-    def _create_client(self, asynchronous=False):
-        if asynchronous:
-            return build(self, asynchronous=True)
-        pool = self.pool
-        cached = self.__dict__.get("_genq_client")
-        if cached is None or cached.connection_pool is not pool:
-            cached = self._genq_client = build(self)
-        return cached
-
-    kredis.Channel._create_client = _create_client
-    kredis.Channel._genq_reuses_clients = True
-
-
-_reuse_kombu_clients()
-# Through Redis Sentinel, a closed broker channel can still reach the master (tasks/redis_conn.py).
-redis_conn.remember_sentinels()
+# kombu's Redis channel reuses one client per pool; through Redis Sentinel, a closed broker
+# channel can still reach the master (tasks/kombu_compat.py).
+kombu_compat.reuse_channel_clients()
+kombu_compat.remember_sentinels()
 
 PRIORITY_STEPS = list(range(PRIORITY_MAX - PRIORITY_MIN + 1))
-BROKER_SEP = "\x06\x16"
 
 
 def broker_priority(priority: int) -> int:
@@ -129,68 +100,16 @@ def publish_job(app: Celery, spec: JobSpec, queue: str) -> None:
     )
 
 
-def queue_key(queue: str, priority: int) -> str:
-    """The Redis list kombu's transport keeps a queue's messages of one API priority in."""
-    step = broker_priority(priority)
-    return queue if step == 0 else f"{queue}{BROKER_SEP}{step}"
-
-
-@dataclass
-class JobMessage:
-    """A job's message as kombu's Redis transport stores it: `payload`, LPUSHed onto `key`."""
-
-    key: str
-    payload: str
-    queue: str
-    headers: dict
-    body: tuple
-
-    def published(self) -> None:
-        """Celery's `after_task_publish` signal, as `send_task` sends it once LPUSH is done."""
-        signals.after_task_publish.send(
-            sender=GENERATE_TASK, body=self.body, headers=self.headers, exchange="", routing_key=self.queue
-        )
-
-
-def job_message(app: Celery, spec: JobSpec, queue: str) -> JobMessage:
-    """The message that `publish_job` would LPUSH onto the queue's list, built here instead
-    of through kombu's publish path, so that the API can push it in the Lua call that records
-    the job (tasks/jobs.py `JobStore.create`): one round trip per request instead of two, the
-    job and its message written atomically, and none of kombu's per-publish machinery
-    (producer pool, `ensure` wrappers, declarations: a third of the API's CPU per job,
-    docs/benchmarks.md). The headers come from Celery's own `as_task_v2`; the envelope is
-    kombu's Redis transport format (tests/test_broker_message.py compares both with what
-    `send_task` writes). Celery's `before_task_publish` and `after_task_publish` signals are
-    sent as `send_task` sends them: the first here, the second by `JobMessage.published`."""
-    expires = _expires(spec)
-    args = [spec.model_dump(mode="json")]
-    headers, properties, body, _ = app.amqp.as_task_v2(
-        spec.id, GENERATE_TASK, args=args, expires=expires, reply_to=app.thread_oid,
-        argsrepr=_argsrepr(spec), ignore_result=None,
+def job_message(app: Celery, spec: JobSpec, queue: str) -> TaskMessage:
+    """The message that `publish_job` would LPUSH onto the queue's list, built by hand
+    (tasks/kombu_compat.py `build_message`) so that the API can push it in the Lua call that
+    records the job (tasks/jobs.py `JobStore.create`): one round trip per request instead of
+    two, the job and its message written atomically, and none of kombu's per-publish
+    machinery."""
+    return kombu_compat.build_message(
+        app, GENERATE_TASK, spec.id, [spec.model_dump(mode="json")], queue,
+        step=broker_priority(spec.priority), expires=_expires(spec), argsrepr=_argsrepr(spec),
     )  # fmt: skip
-    properties["argsrepr"] = headers["argsrepr"]  # send_task passes it on as a property too
-    signals.before_task_publish.send(
-        sender=GENERATE_TASK, body=body, exchange="", routing_key=queue, declare=None,
-        headers=headers, properties=properties, retry_policy=None,
-    )  # fmt: skip
-    properties["delivery_mode"] = 2
-    if expires is not None:
-        ttl = max(0.0, (expires - datetime.now(timezone.utc)).total_seconds())
-        properties["expiration"] = str(int(ttl * 1000))
-    properties.update(
-        delivery_info={"exchange": "", "routing_key": queue},
-        priority=broker_priority(spec.priority),
-        body_encoding="base64",
-        delivery_tag=str(uuid.uuid4()),
-    )  # fmt: skip
-    message = {
-        "body": base64.b64encode(json.dumps(body).encode()).decode(),
-        "content-encoding": "utf-8",
-        "content-type": "application/json",
-        "headers": headers,
-        "properties": properties,
-    }
-    return JobMessage(queue_key(queue, spec.priority), json.dumps(message), queue, headers, body)
 
 
 # How long a worker keeps retrying a write (a result, a job's status) while Redis is away.

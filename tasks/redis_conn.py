@@ -14,7 +14,7 @@ its first `READONLY` answer.
   the caller gives a single Redis;
 - the Celery broker: kombu's `sentinel://h1:p1;sentinel://h2:p2` transport (its
   `SentinelChannel` subclasses the Redis channel, so the project's uses of the channel's
-  internals, worker/recovery.py, work on it too), `master_name` and `sentinel_kwargs` in
+  internals, tasks/kombu_compat.py, work on it too), `master_name` and `sentinel_kwargs` in
   `broker_transport_options`;
 - the result backend: Celery's `SentinelBackend` (tasks/backend.py) with the same URL, and the
   same options in `result_backend_transport_options`.
@@ -86,40 +86,3 @@ def describe(settings: Settings) -> str:
         return settings.redis_url
     sentinels = ",".join(f"{h}:{p}" for h, p in settings.sentinel_addresses)
     return f"master {settings.redis_master!r} of the sentinels {sentinels}"
-
-
-def remember_sentinels() -> None:
-    """A closed kombu sentinel channel rebuilds its pool from the Sentinel it was opened with.
-
-    worker/recovery.py `_remember_connparams` lets a closed Redis channel (after a reconnect)
-    still reach Redis with the parameters it kept: a job finishing then acks its message on
-    it, and the QoS gives back its received messages. kombu's `SentinelChannel` builds its
-    pool in `_sentinel_managed_pool`, which reads the sentinels' addresses from the transport
-    (`self.connection.client.alt`), gone once the channel is closed: the same AttributeError
-    as before. Each sentinel channel now keeps the `Sentinel` it built its synchronous pool
-    with (kombu closes that object's connections on close; it opens new ones when asked) and
-    asks it for the master again once its transport is gone: after a failover, the new one."""
-    from kombu.transport import redis as kredis
-
-    channel = kredis.SentinelChannel
-    if getattr(channel, "_genq_remembers_sentinels", False):
-        return
-    build = channel._sentinel_managed_pool
-
-    def _sentinel_managed_pool(self, asynchronous=False):
-        transport = self.connection
-        if transport is not None and getattr(transport, "client", None) is not None:
-            pool = build(self, asynchronous)
-            if not asynchronous:
-                self._genq_sentinel = self._sentinel_manager
-            return pool
-        manager = self.__dict__.get("_genq_sentinel")
-        if asynchronous or manager is None:
-            raise redis.ConnectionError("the broker channel is closed")
-        params = self._connparams(asynchronous)  # the remembered ones
-        credentials = {k: params[k] for k in ("username", "password") if k in params}
-        self._sentinel_manager = manager
-        return manager.master_for(self.master_name, redis.Redis, **credentials).connection_pool
-
-    channel._sentinel_managed_pool = _sentinel_managed_pool
-    channel._genq_remembers_sentinels = True

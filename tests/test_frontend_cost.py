@@ -3,7 +3,7 @@
   attempt (a superseded attempt writes neither);
 - JobStore.get(..., result_key=...) brings the result with the record;
 - JobStore.wait blocks on the done stream and reads the record and result in one round trip;
-- kombu's Redis channel reuses one client per pool (tasks/celery_app.py)."""
+- kombu's Redis channel reuses one client per pool (tasks/kombu_compat.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A worker's broker channel closing while Redis is down (kombu gives the received, unstarted
-messages back to the queue as it closes): with worker.recovery.guard_restores it waits for
+messages back to the queue as it closes): with tasks/kombu_compat.py `guard_restores` it waits for
 Redis instead of raising (a raise there took the worker down: "Unrecoverable error:
 AttributeError('NoneType' object has no attribute 'hostname')"), and it leaves the messages of
 jobs still running in this process where they are. Real Redis, real kombu channel."""
@@ -14,15 +14,15 @@ import time
 import redis
 from kombu import Connection, Exchange, Queue
 
+from tasks import kombu_compat
 from tests.helpers import KillableRedis
-from worker import recovery
 
 
 def test_a_channel_closed_during_an_outage_restores_its_unstarted_messages(tmp_path, monkeypatch):
     db = KillableRedis(tmp_path)
     running: set[str] = set()
-    monkeypatch.setattr(recovery, "RESTORE_WAIT_S", 30.0)
-    recovery.guard_restores(lambda: set(running))
+    monkeypatch.setattr(kombu_compat, "RESTORE_WAIT_S", 30.0)
+    kombu_compat.guard_restores(lambda: set(running))
     conn = Connection(db.url)
     r = redis.Redis.from_url(db.url, decode_responses=True)
     try:

@@ -555,6 +555,7 @@ def test_two_workers_sweeping_one_dead_worker_recover_each_job_once(store, redis
     job again: that ran a job three times (CI, attempts 3). Real Redis, real kombu channel."""
     from tasks.celery_app import PRIORITY_STEPS, make_celery, publish_job
     from tasks.config import Settings
+    from tasks.kombu_compat import priority_lists
     from tasks.registry import Registry
     from worker.recovery import Reaper
 
@@ -565,7 +566,7 @@ def test_two_workers_sweeping_one_dead_worker_recover_each_job_once(store, redis
     dead = f"genq-hf-0@dead-{uuid.uuid4().hex[:6]}"
     sweepers = [Reaper(app, store, Registry(store.r, 3), f"genq-hf-{n}@alive") for n in (1, 2)]
     channel = sweepers[0]._channel()
-    lists = [channel._q_for_pri(queue, step) for step in PRIORITY_STEPS]
+    lists = priority_lists(channel, queue, PRIORITY_STEPS)
     tag = ""
     try:
         # The dead worker had received and started the job: its message is in `unacked`.

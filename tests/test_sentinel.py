@@ -55,7 +55,7 @@ def test_a_closed_sentinel_channel_still_acknowledges_its_messages():
     from kombu import Connection, Exchange, Queue
 
     import tasks.celery_app  # noqa: F401 - its kombu patches, as the worker has them
-    from worker.recovery import guard_restores
+    from tasks.kombu_compat import guard_restores
 
     sen = stackmod.SentinelRedis(sentinels=1, quorum=1)
     running: set[str] = set()

@@ -98,7 +98,7 @@ def test_a_closed_broker_channel_still_acknowledges_its_messages(tmp_path):
     import redis
 
     import tasks.celery_app  # noqa: F401 - its kombu patch, as the worker has it
-    from worker.recovery import guard_restores
+    from tasks.kombu_compat import guard_restores
 
     db = KillableRedis(tmp_path)
     running: set[str] = set()

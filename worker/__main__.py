@@ -23,10 +23,11 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from tasks.celery_app import WORKER_REDIS_RETRY_S, make_celery
 from tasks import logs, redis_conn
+from tasks.kombu_compat import guard_restores
 from tasks.config import get_settings, queue_for
 from tasks.jobs import JobStore
 from tasks.registry import Registry, WorkerInfo
-from worker.recovery import Reaper, guard_restores
+from worker.recovery import Reaper
 from worker import metrics, tasks
 from worker.chat import Chat
 from worker.engines import create_engine

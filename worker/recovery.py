@@ -47,11 +47,11 @@ broker holds (`Reaper.reconcile`):
 
 kombu itself gives a worker's received-but-unstarted messages back to the queue when the
 connection drops (`restore_unacked_once` as the channel closes; a closed channel keeps the
-parameters to reach Redis with, `_remember_connparams`, or that and every later ack of its
-messages raised). While Redis is still down
-that raises and takes the worker down; `guard_restores` makes it wait for Redis instead, and
-leaves the messages of jobs this worker is running where they are (it finishes and acks them
-once Redis is back): restoring them would run every job twice.
+parameters to reach Redis with, tasks/kombu_compat.py `remember_connparams`, or that and every
+later ack of its messages raised). While Redis is still down that raises and takes the worker
+down; `guard_restores` (tasks/kombu_compat.py) makes it wait for Redis instead, and leaves the
+messages of jobs this worker is running where they are (it finishes and acks them once Redis
+is back): restoring them would run every job twice.
 
 The visibility timeout stays as the last resort.
 """
@@ -65,19 +65,16 @@ from typing import Callable, Collection
 
 import redis
 from celery import Celery
-from kombu.transport import redis as kombu_redis
 from kombu.utils.json import loads
 
 from tasks import keys
 from tasks.celery_app import PRIORITY_STEPS, publish_job
 from tasks.jobs import JobStore
+from tasks.kombu_compat import forget_unacked, priority_lists, restore_message
 from tasks.registry import Registry
 from tasks.schemas import JobStatus
 
 log = logging.getLogger(__name__)
-
-# How long kombu's restore of a dropped channel's messages waits for Redis to come back.
-RESTORE_WAIT_S = 60.0
 
 
 class Reaper:
@@ -160,11 +157,11 @@ class Reaper:
         def move(pipe):
             raw = pipe.hget(channel.unacked_key, tag)
             pipe.multi()
-            channel.qos._remove_from_indices(tag, pipe)
+            forget_unacked(channel, tag, pipe)
             if raw and running and not exhausted:
                 payload, exchange, routing_key = loads(raw)
                 payload["properties"]["delivery_tag"] = str(uuid.uuid4())
-                channel._do_restore_message(payload, exchange, routing_key, pipe, leftmost=False)
+                restore_message(channel, payload, exchange, routing_key, pipe)
                 if forgive:
                     pipe.hincrby(keys.job(job_id), "forgiven", 1)
             return bool(raw)
@@ -260,7 +257,7 @@ class Reaper:
         messages wait in one of its priority lists, and those delivered and not acknowledged
         (any queue's), with their delivery tags and times."""
         channel = self._channel()
-        lists = [channel._q_for_pri(queue, step) for step in PRIORITY_STEPS]
+        lists = priority_lists(channel, queue, PRIORITY_STEPS)
         with channel.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=True)
             for name in lists:
@@ -324,72 +321,3 @@ class Reaper:
 def _message_id(message: dict) -> str:
     """The task id (our job id) in a kombu message as Celery's protocol 2 writes it."""
     return (message.get("headers") or {}).get("id", "")
-
-
-def _remember_connparams() -> None:
-    """Let a closed kombu Redis channel still reach Redis. When the broker connection drops,
-    Celery closes the connection: its transport loses `client` (kombu's Connection) and then
-    the channel its `connection` (the transport), and the channel drops its connection pools.
-    Whatever needs that channel's Redis afterwards rebuilds a pool from `_connparams`, which
-    reads them, and raised AttributeError: the QoS giving the closed channel's received
-    messages back (`'NoneType' object has no attribute 'hostname'`), and a task finishing
-    after the reconnect that acknowledges its message on the channel it came from (`... no
-    attribute 'client'`, in `ack`), which Celery took for an unrecoverable error and stopped
-    the worker. Each channel now keeps the parameters it built its (synchronous) pool with
-    and uses them once its connection is gone; the message is acknowledged in Redis (removed
-    from `unacked`) as it would have been. The asynchronous pool (the BRPOP loop's, whose
-    connections tell the closed transport's poller when they drop) is not rebuilt that way."""
-    if getattr(kombu_redis.Channel, "_genq_remembers_connparams", False):
-        return
-    build = kombu_redis.Channel._connparams
-
-    def _connparams(self, asynchronous=False):
-        transport = self.connection
-        if transport is None or getattr(transport, "client", None) is None:
-            saved = self.__dict__.get("_genq_connparams")
-            if asynchronous or saved is None:
-                raise redis.ConnectionError("the broker channel is closed")
-            return dict(saved)
-        params = build(self, asynchronous=asynchronous)
-        if not asynchronous:
-            self._genq_connparams = dict(params)
-        return params
-
-    kombu_redis.Channel._connparams = _connparams
-    kombu_redis.Channel._genq_remembers_connparams = True
-
-
-_running_tags: Callable[[], Collection[str]] = frozenset
-
-
-def guard_restores(running_tags: Callable[[], Collection[str]]) -> None:
-    """Make kombu's restore of a closed channel's unacknowledged messages (its Redis QoS)
-    wait for Redis instead of raising, and skip the messages of jobs still running here; and
-    let a closed channel reach Redis (`_remember_connparams`)."""
-    global _running_tags
-    _running_tags = running_tags  # the latest caller's: the patch below is made once
-    _remember_connparams()
-    original = kombu_redis.QoS.restore_unacked
-    if getattr(original, "genq_guarded", False):
-        return
-
-    def restore_unacked(self, client=None):
-        keep = set(_running_tags())
-        for tag in [t for t in self._delivered if t in keep]:
-            self._delivered.pop(tag, None)
-        deadline = time.monotonic() + RESTORE_WAIT_S
-        while True:
-            try:
-                return original(self, client)
-            except Exception as exc:  # noqa: BLE001 - whatever a half-closed client raises
-                if time.monotonic() > deadline:
-                    log.error("could not give %d received jobs back to the broker: %s; they "
-                              "come back after the visibility timeout", len(self._delivered), exc)
-                    self._delivered.clear()
-                    return None
-                log.warning("giving received jobs back to the broker failed (%s); retrying", exc)
-                client = None
-                time.sleep(0.5)
-
-    restore_unacked.genq_guarded = True
-    kombu_redis.QoS.restore_unacked = restore_unacked
