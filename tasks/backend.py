@@ -10,11 +10,18 @@
   Celery's read-before-write and its PUBLISH (nobody subscribes).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from celery import states
 from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
 from tasks import keys
+
+if TYPE_CHECKING:
+    from tasks.jobs import JobStore
 
 # KEYS: result key, job record. ARGV: encoded meta, expiry in seconds, the writer's attempt.
 _FENCED_SET = """
@@ -27,10 +34,10 @@ return 1
 
 class NoSubscribeRedisBackend(RedisBackend):
     _fenced_set_script = None
-    # A worker sets this (worker/tasks.py): `succeed(task_id, attempt, key, value, expires)`
-    # stores a successful result and marks the job succeeded in one call (tasks/jobs.py
-    # JobStore.succeed), and the task's request remembers (`genq_finished`) that it is done.
-    succeed = None
+    # A worker gives its backend its job store (worker/__main__.py): a successful result and
+    # the job's succeeded status then go to Redis in one call (tasks/jobs.py JobStore.succeed),
+    # and the task's request remembers (`genq_finished`) that it is done.
+    job_store: JobStore | None = None
 
     def on_task_call(self, producer, task_id):
         return None
@@ -42,9 +49,9 @@ class NoSubscribeRedisBackend(RedisBackend):
         meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = bytes_to_str(task_id)
         expires = self.failure_expires if state == states.FAILURE else self.expires
-        if state == states.SUCCESS and self.succeed is not None:
+        if state == states.SUCCESS and self.job_store is not None:
             key = bytes_to_str(self.get_key_for_task(task_id))
-            self.ensure(self.succeed, (task_id, attempt, key, self.encode(meta), int(expires or 0)))
+            self.ensure(self.job_store.succeed, (task_id, attempt, key, self.encode(meta), int(expires or 0)))
             request.genq_finished = True
             return result
         self.ensure(self._fenced_set, (task_id, self.encode(meta), expires, attempt))

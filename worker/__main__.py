@@ -29,6 +29,7 @@ from tasks.jobs import JobStore
 from tasks.registry import Registry, WorkerInfo
 from worker.recovery import Reaper
 from worker import metrics, tasks
+from worker.tasks import WorkerTask
 from worker.chat import Chat
 from worker.engines import create_engine
 from worker.publisher import StreamPublisher
@@ -136,12 +137,11 @@ def main() -> None:
     metrics_port = metrics.start(settings.metrics_port, settings.metrics_host, settings.served_model,
                                  engine.name, engine.max_model_len, engine.device)
     store = JobStore(client, settings.result_ttl, settings.max_attempts)
-    tasks.runtime.engine = engine
-    tasks.runtime.store = store
-    tasks.runtime.worker_name = name
-    tasks.runtime.publisher = publisher
-    tasks.runtime.chat = Chat(getattr(engine, "tok", None), settings.chat_template, engine.max_model_len)
+    chat = Chat(getattr(engine, "tok", None), settings.chat_template, engine.max_model_len)
+    WorkerTask.equip(engine=engine, store=store, worker_name=name, publisher=publisher, chat=chat)
     app = make_celery(settings)
+    # A successful result and its job's status go to Redis in one call (tasks/backend.py).
+    app.backend.job_store = store
     tasks.register(app)
 
     info = WorkerInfo(
@@ -154,12 +154,12 @@ def main() -> None:
         pid=os.getpid(),
         started=time.time(),
         max_model_len=engine.max_model_len,
-        chat_template=tasks.runtime.chat.available,
+        chat_template=chat.available,
         device=engine.device,
         metrics_port=metrics_port,
     )
     registry = Registry(client, settings.heartbeat_ttl)
-    running = tasks.runtime.running
+    running = WorkerTask.running
     reaper = Reaper(app, store, registry, name, queue, running=lambda: running.copy().keys())
     heartbeat = Heartbeat(registry, info, settings.heartbeat_interval, reaper, settings.reconcile_interval)
     guard_restores(lambda: running.copy().values())

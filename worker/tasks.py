@@ -1,4 +1,6 @@
-"""The Celery task: a thin wrapper that hands a job to this process's engine and waits.
+"""The Celery task: a thin wrapper that hands a job to this process's engine and waits. The
+engine, the job store and the rest of what the tasks need from their process are held by their
+base class, `WorkerTask`, which `python -m worker` equips once (worker/__main__.py).
 
 The job record moves to `running` before the engine sees the job, and to its final status in
 `task_postrun`, which Celery sends after it has stored the result in the result backend, so a
@@ -18,7 +20,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import redis
-from celery import Celery
+from celery import Celery, Task
 from celery.exceptions import Ignore
 from celery.signals import task_postrun, task_revoked
 
@@ -41,131 +43,132 @@ CANCEL_POLL_S = 0.5
 REPLY_TTL_S = 60
 
 
-class Runtime:
-    """What the task needs from its process: the engine, the job store, its own name."""
+class WorkerTask(Task):
+    """The base of this worker's tasks (Celery's custom task class): what they need from their
+    process, set up once by `equip` before the worker consumes. Celery makes one instance of
+    each task per process, and every task thread shares it."""
 
     engine: Engine
     store: JobStore
     worker_name: str
-    publisher: StreamPublisher | None = None
-    chat: Chat | None = None
+    publisher: StreamPublisher | None
+    chat: Chat | None
+    # The jobs this process is running (or about to start): job id -> delivery tag.
+    # Recovery compares it with the in-flight hash Redis holds for this worker.
+    running: dict[str, str]
+    # Into the engine together, or a solo job alone (worker/solo.py).
+    gate: Gate
 
-    def __init__(self) -> None:
-        # The jobs this process is running (or about to start): job id -> delivery tag.
-        # Recovery compares it with the in-flight hash Redis holds for this worker.
-        self.running: dict[str, str] = {}
-        # Into the engine together, or a solo job alone (worker/solo.py).
-        self.gate = Gate()
+    @classmethod
+    def equip(
+        cls, *, engine: Engine, store: JobStore, worker_name: str,
+        publisher: StreamPublisher | None = None, chat: Chat | None = None,
+    ) -> None:  # fmt: skip
+        cls.engine, cls.store, cls.worker_name = engine, store, worker_name
+        cls.publisher, cls.chat = publisher, chat
+        cls.running = {}
+        cls.gate = Gate()
 
+    def _generate(self, spec: JobSpec, attempt: Attempt) -> GenerationResult:
+        """Hand the job to the engine and wait for it, looking for a cancellation meanwhile."""
+        if self.chat is not None:
+            spec = self.chat.prompt_of(spec)  # a chat job's prompt: its messages rendered
+        future = self.engine.submit(spec)
+        while True:
+            try:
+                return future.result(timeout=CANCEL_POLL_S)
+            except FutureTimeout:
+                try:
+                    rec = self.store.get(spec.id)
+                except redis.RedisError:
+                    continue  # Redis is away; the job goes on, the next look may work
+                if rec is None or rec["status"] == JobStatus.cancelled.value:
+                    self.engine.cancel(spec.id)
+                elif int(rec.get("attempts", 0)) != attempt.number:
+                    # Given up for dead while it hung; the job runs elsewhere now.
+                    log.warning("job %s attempt %d superseded; dropping it", spec.id, attempt.number)
+                    self.engine.cancel(spec.id)
+            except JobCancelled:
+                raise Ignore() from None
 
-runtime = Runtime()
+    def _still_ours(self, job_id: str, attempt: int) -> bool:
+        """Whether a job waiting to go into the engine should still run: neither cancelled nor
+        given to another attempt meanwhile (True while Redis cannot say)."""
+        try:
+            rec = self.store.get(job_id)
+        except redis.RedisError:
+            return True
+        return rec is not None and rec["status"] == JobStatus.running.value and int(rec.get("attempts", 0)) == attempt
+
+    def _mark_solo(self, job_id: str, attempt: int) -> None:
+        log.warning("job %s attempt %d runs alone: its workers were lost beside other jobs before", job_id, attempt)
+        try:
+            self.store.mark_solo(job_id, attempt)
+        except redis.RedisError as exc:
+            log.warning("could not mark job %s as running alone: %s", job_id, exc)
 
 
 def register(app: Celery) -> None:
-    @app.task(name=GENERATE_TASK, bind=True)
-    def generate(self, job: dict) -> dict:
+    @app.task(name=GENERATE_TASK, base=WorkerTask, bind=True)
+    def generate(self: WorkerTask, job: dict) -> dict:
         spec = JobSpec.model_validate(job)
         if spec.deadline is not None and time.time() >= spec.deadline:
-            runtime.store.expire(spec.id, allowed=ACTIVE)
+            self.store.expire(spec.id, allowed=ACTIVE)
             raise Ignore()
         tag = (self.request.properties or {}).get("delivery_tag", "")
-        runtime.running[spec.id] = tag  # before Redis says so: never in-flight and unknown here
+        self.running[spec.id] = tag  # before Redis says so: never in-flight and unknown here
         try:
-            attempt = runtime.store.start(spec.id, runtime.worker_name, tag)
+            attempt = self.store.start(spec.id, self.worker_name, tag)
         except BaseException:
-            runtime.running.pop(spec.id, None)
+            self.running.pop(spec.id, None)
             raise
         if not attempt.run:
-            runtime.running.pop(spec.id, None)
+            self.running.pop(spec.id, None)
             # Cancelled while queued, already final, expired, or out of attempts: nothing to run.
             log.info("job %s skipped: status %s%s", spec.id, attempt.prev,
                      " (out of attempts)" if attempt.exhausted else "")
             raise Ignore()
         self.request.genq_attempt = attempt.number
         metrics.job_started(spec, attempt.number, self.request)
-        publisher = runtime.publisher
+        publisher = self.publisher
         if publisher is not None and spec.stream:
             publisher.attempts[spec.id] = attempt.number
         try:
-            if not runtime.gate.enter(attempt.solo, lambda: _still_ours(spec.id, attempt.number), CANCEL_POLL_S):
+            if not self.gate.enter(attempt.solo, lambda: self._still_ours(spec.id, attempt.number), CANCEL_POLL_S):
                 log.info("job %s attempt %d cancelled or superseded before it ran", spec.id, attempt.number)
                 raise Ignore()
             try:
                 if attempt.solo:
-                    _mark_solo(spec.id, attempt.number)
-                result = _run(spec, attempt)
+                    self._mark_solo(spec.id, attempt.number)
+                result = self._generate(spec, attempt)
             finally:
-                runtime.gate.leave(attempt.solo)
+                self.gate.leave(attempt.solo)
         finally:
             if publisher is not None:
                 publisher.attempts.pop(spec.id, None)
-        result.worker = runtime.worker_name
+        result.worker = self.worker_name
         return result.model_dump()
 
-    @app.task(name=TOKENIZE_TASK, ignore_result=True)
-    def tokenize(req: dict) -> None:
+    @app.task(name=TOKENIZE_TASK, base=WorkerTask, bind=True, ignore_result=True)
+    def tokenize(self: WorkerTask, req: dict) -> None:
         """/tokenize or /detokenize: the answer goes onto the request's reply list, which the
         API pops (webapp/tokens.py)."""
-        chat = runtime.chat or Chat(None)
+        chat = self.chat or Chat(None)
         answer = chat.answer(req)
-        pipe = runtime.store.r.pipeline()
+        pipe = self.store.r.pipeline()
         pipe.rpush(keys.reply(req["id"]), json.dumps(answer))
         pipe.expire(keys.reply(req["id"]), REPLY_TTL_S)
         pipe.execute()
 
-    # A successful result and the job's succeeded status go to Redis in one call
-    # (tasks/backend.py); task_postrun then has nothing left to write for it.
-    app.backend.succeed = lambda *args: runtime.store.succeed(*args)
     task_postrun.connect(_record_outcome, weak=False)
     task_revoked.connect(_record_expiry, weak=False)
-
-
-def _run(spec: JobSpec, attempt: Attempt) -> GenerationResult:
-    """Hand the job to the engine and wait for it, looking for a cancellation meanwhile."""
-    if runtime.chat is not None:
-        spec = runtime.chat.prompt_of(spec)  # a chat job's prompt: its messages rendered
-    future = runtime.engine.submit(spec)
-    while True:
-        try:
-            return future.result(timeout=CANCEL_POLL_S)
-        except FutureTimeout:
-            try:
-                rec = runtime.store.get(spec.id)
-            except redis.RedisError:
-                continue  # Redis is away; the job goes on, the next look may work
-            if rec is None or rec["status"] == JobStatus.cancelled.value:
-                runtime.engine.cancel(spec.id)
-            elif int(rec.get("attempts", 0)) != attempt.number:
-                # Given up for dead while it hung; the job runs elsewhere now.
-                log.warning("job %s attempt %d superseded; dropping it", spec.id, attempt.number)
-                runtime.engine.cancel(spec.id)
-        except JobCancelled:
-            raise Ignore() from None
-
-
-def _still_ours(job_id: str, attempt: int) -> bool:
-    """Whether a job waiting to go into the engine should still run: neither cancelled nor
-    given to another attempt meanwhile (True while Redis cannot say)."""
-    try:
-        rec = runtime.store.get(job_id)
-    except redis.RedisError:
-        return True
-    return rec is not None and rec["status"] == JobStatus.running.value and int(rec.get("attempts", 0)) == attempt
-
-
-def _mark_solo(job_id: str, attempt: int) -> None:
-    log.warning("job %s attempt %d runs alone: its workers were lost beside other jobs before", job_id, attempt)
-    try:
-        runtime.store.mark_solo(job_id, attempt)
-    except redis.RedisError as exc:
-        log.warning("could not mark job %s as running alone: %s", job_id, exc)
 
 
 def _record_expiry(sender=None, request=None, expired=False, **_):
     """Celery dropped a job's message because its deadline had passed: it never runs. A job
     still `running` here was restored after its worker was lost; it expires as well."""
     if expired and request is not None and getattr(sender, "name", None) == GENERATE_TASK:
-        runtime.store.expire(request.id, allowed=ACTIVE)
+        sender.store.expire(request.id, allowed=ACTIVE)
 
 
 def _record_outcome(task_id=None, task=None, retval=None, state=None, **_):
@@ -176,23 +179,23 @@ def _record_outcome(task_id=None, task=None, retval=None, state=None, **_):
     finally:
         # Only now, with the job's final status written (and so its in-flight entry gone): the
         # reconciler takes a job in flight here but not running for one whose finish was lost.
-        runtime.running.pop(task_id, None)
+        task.running.pop(task_id, None)
 
 
-def _finish(task_id, task, retval, state) -> None:
+def _finish(task_id, task: WorkerTask, retval, state) -> None:
     attempt = getattr(task.request, "genq_attempt", None)
     if attempt is None:
         return
     metrics.job_finished(task_id, state, retval)
     if state == "SUCCESS":
         if not getattr(task.request, "genq_finished", False):
-            runtime.store.finish(task_id, JobStatus.succeeded, fence=attempt)
+            task.store.finish(task_id, JobStatus.succeeded, fence=attempt)
     elif state == "FAILURE":
         partial = None
         if isinstance(retval, GenerationError):
             error = {"code": retval.code, "message": retval.message}
             if retval.partial is not None:
-                partial = retval.partial.model_copy(update={"worker": runtime.worker_name}).model_dump()
+                partial = retval.partial.model_copy(update={"worker": task.worker_name}).model_dump()
         else:
             error = {"code": "internal", "message": f"{type(retval).__name__}: {retval}"}
-        runtime.store.finish(task_id, JobStatus.failed, error, fence=attempt, result=partial)
+        task.store.finish(task_id, JobStatus.failed, error, fence=attempt, result=partial)
