@@ -86,9 +86,8 @@ def _expires(spec: JobSpec) -> datetime | None:
 
 
 def publish_job(app: Celery, spec: JobSpec, queue: str) -> None:
-    """Put a job's message on its queue through Celery (`send_task`): a worker when it
-    republishes a job whose message was lost (worker/recovery.py), and the API when task events
-    are on (Flower wants its task-sent event). Raises what kombu raises."""
+    """Put a job's message on its queue through Celery (`send_task`), as a worker does when it
+    republishes a job whose message was lost (worker/recovery.py). Raises what kombu raises."""
     app.send_task(
         GENERATE_TASK,
         args=[spec.model_dump(mode="json")],

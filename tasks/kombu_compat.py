@@ -9,8 +9,8 @@
 - `guard_restores`: `QoS.restore_unacked`, as a channel closes: waits for Redis instead of
   raising, and keeps the messages of jobs still running here.
 - `build_message`: a task message built by hand (Celery's `amqp.as_task_v2`, kombu's Redis
-  envelope and priority list, Celery's publish signals), so that the API pushes it in the Lua
-  call that records the job (tasks/celery_app.py `job_message`).
+  envelope and priority list, Celery's publish signals and task-sent event), so that the API
+  pushes it in the Lua call that records the job (tasks/celery_app.py `job_message`).
 - `priority_lists`, `forget_unacked`, `restore_message`: the channel's private
   `_q_for_pri`, `QoS._remove_from_indices` and `_do_restore_message`, for worker/recovery.py.
 """
@@ -212,6 +212,7 @@ class TaskMessage:
     queue: str
     headers: dict
     body: tuple
+    sent_event: dict | None  # Celery's task-sent event, when `task_send_sent_event` is on
 
     def published(self) -> None:
         """Celery's `after_task_publish` signal, as `send_task` sends it once LPUSH is done."""
@@ -230,10 +231,10 @@ def build_message(
     The headers come from Celery's own `as_task_v2`; the envelope is kombu's Redis transport
     format (tests/test_broker_message.py compares both with what `send_task` writes). Celery's
     `before_task_publish` signal is sent here, as `send_task` sends it; `after_task_publish`
-    by `TaskMessage.published`."""
-    headers, properties, body, _ = app.amqp.as_task_v2(
+    by `TaskMessage.published`, and the task-sent event by `send_sent_events`."""
+    headers, properties, body, sent_event = app.amqp.as_task_v2(
         task_id, name, args=args, expires=expires, reply_to=app.thread_oid,
-        argsrepr=argsrepr, ignore_result=None,
+        argsrepr=argsrepr, ignore_result=None, create_sent_event=app.conf.task_send_sent_event,
     )  # fmt: skip
     properties["argsrepr"] = headers["argsrepr"]  # send_task passes it on as a property too
     signals.before_task_publish.send(
@@ -257,5 +258,20 @@ def build_message(
         "headers": headers,
         "properties": properties,
     }
-    return TaskMessage(queue_key(queue, step), json.dumps(message), name, queue, headers, body)
+    if sent_event is not None:  # send_task adds where the message went
+        sent_event.update(queue=queue, exchange="", routing_key=queue)
+    return TaskMessage(queue_key(queue, step), json.dumps(message), name, queue, headers, body, sent_event)
 
+
+def send_sent_events(app: Celery, messages: Iterable[TaskMessage]) -> None:
+    """Celery's task-sent event of each message that has one (what Flower learns a task from
+    before a worker receives it), through the app's event dispatcher, as `send_task` sends it
+    once the message is on its queue. Raises what kombu raises."""
+    events = [m.sent_event for m in messages if m.sent_event is not None]
+    if not events:
+        return
+    conf = app.conf
+    with app.events.default_dispatcher() as dispatcher:
+        for event in events:
+            dispatcher.send("task-sent", retry=conf.task_publish_retry,
+                            retry_policy=conf.task_publish_retry_policy, **event)

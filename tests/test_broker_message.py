@@ -102,3 +102,41 @@ def test_messages_go_onto_the_queue_with_their_jobs_or_not_at_all(sender, r):
     message = job_message(sender, late, queue)
     assert store.create([late], queue, max_depth=2, messages=[(message.key, message.payload)]) == (False, 2)
     assert not r.exists(keys.job(late.id)) and r.llen(message.key) == 1
+
+
+def test_the_task_sent_event_is_the_one_send_task_sends(redis_url, monkeypatch):
+    """With task events on (GENQ_CELERY_EVENTS, for Flower), the API still pushes the message
+    itself and sends Celery's task-sent event beside it (tasks/kombu_compat.py
+    `send_sent_events`): the event Celery's own `send_task` would have sent."""
+    from celery.events.dispatcher import EventDispatcher
+
+    from tasks.kombu_compat import send_sent_events
+
+    sender = make_sender(Settings(redis_url=redis_url, celery_events=True))
+    sent: list[dict] = []
+    publish = EventDispatcher._publish
+
+    def spy(self, event, producer, routing_key, **kw):
+        sent.append({**event, "routing": routing_key})
+        return publish(self, event, producer, routing_key, **kw)
+
+    monkeypatch.setattr(EventDispatcher, "_publish", spy)
+    job = spec(priority=3, deadline=time.time() + 60, owner="alice")
+    queue = f"genq.test-{uuid.uuid4().hex[:8]}"
+    r = redis.Redis.from_url(redis_url)
+    try:
+        publish_job(sender, job, queue)
+        message = job_message(sender, job, queue)
+        assert message.sent_event is not None
+        send_sent_events(sender, [message])
+    finally:
+        r.delete(*r.keys(f"{queue}*"))
+        r.close()
+    theirs, mine = ({k: v for k, v in e.items() if k not in ("timestamp", "clock")} for e in sent)
+    assert theirs["type"] == "task-sent" and theirs["uuid"] == job.id and theirs["queue"] == queue
+    assert mine == theirs
+    # Without task events, the message carries none and nothing is sent.
+    plain = job_message(make_sender(Settings(redis_url=redis_url)), job, queue)
+    assert plain.sent_event is None
+    send_sent_events(sender, [plain])
+    assert len(sent) == 2

@@ -51,7 +51,8 @@ def _a_job_flower_sees(base: str, submit_job, get, procs) -> tuple[str, dict, di
         if task.status_code != 200:
             return None
         info = task.json()
-        return info if info.get("state") == "SUCCESS" and info.get("received") else None
+        # `sent`: the API's task-sent event (tasks/kombu_compat.py `send_sent_events`).
+        return info if info.get("state") == "SUCCESS" and info.get("received") and info.get("sent") else None
 
     for _ in range(10):
         job_id = submit_job({"prompt": PROMPT + " tail words", "max_new_tokens": 2})

@@ -21,14 +21,15 @@ from flask import current_app
 from kombu.exceptions import KombuError
 
 from tasks import keys
-from tasks.celery_app import job_message, publish_job
+from tasks.celery_app import job_message
+from tasks.kombu_compat import send_sent_events
 from tasks.config import Settings, queue_for
 from tasks.jobs import RESULT_RAW, JobStore, QuotaExceeded, decode_record
 from tasks.registry import Registry, WorkerInfo
 from tasks.schemas import ChatOptions, JobSpec, JobStatus, SamplingParams
 from tasks.streams import StreamEnd, TokenEvent, follow
 from webapp.auth import ApiKey
-from webapp.errors import BROKER_ERRORS, BROKER_RETRY_AFTER, BROKER_UNAVAILABLE, APIError, job_error_status, owned
+from webapp.errors import BROKER_ERRORS, BROKER_UNAVAILABLE, APIError, job_error_status, owned
 from webapp.protocol.jobs import Scheduling
 
 log = logging.getLogger(__name__)
@@ -243,10 +244,8 @@ class JobService:
                     priority=sched.priority, deadline=deadline, owner=owner.name if owner else None)
             for k, p in enumerate(prompts)
         ]
-        # The jobs' messages go onto the queue in the call that records them; with task events
-        # on, through Celery's send_task instead, which sends Flower its task-sent events.
-        direct = not self.settings.celery_events
-        messages = [job_message(self.celery, spec, queue) for spec in specs] if direct else []
+        # The jobs' messages go onto the queue in the call that records them.
+        messages = [job_message(self.celery, spec, queue) for spec in specs]
         try:
             created, depth = self.store.create(
                 specs, queue, self.settings.max_queue_depth, owner.max_queued if owner else None,
@@ -268,23 +267,13 @@ class JobService:
             )
         for message in messages:
             message.published()
-        if not direct:
-            for spec in specs:
-                self._publish(spec, queue)
-        return [s.id for s in specs]
-
-    def _publish(self, spec: JobSpec, queue: str) -> None:
-        try:
-            publish_job(self.celery, spec, queue)
-        except (KombuError, redis.RedisError, OSError) as exc:
-            log.warning("could not enqueue job %s: %s", spec.id, exc)
+        if self.settings.celery_events:
+            # Flower's task-sent events, as send_task sends them; the jobs are queued already.
             try:
-                self.store.finish(
-                    spec.id, JobStatus.failed, {"code": "enqueue_failed", "message": str(exc)}
-                )
-            except BROKER_ERRORS:
-                pass
-            raise APIError(503, **BROKER_UNAVAILABLE, headers=BROKER_RETRY_AFTER) from exc
+                send_sent_events(self.celery, messages)
+            except (KombuError, redis.RedisError, OSError) as exc:
+                log.warning("could not send the task-sent events of %d jobs: %s", len(messages), exc)
+        return [s.id for s in specs]
 
     # -- outcomes --------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ A message can also be lost outright, or a job's record and its message can disag
 Redis restarts or its connection drops at the wrong moment: kombu pops a message (BRPOP) and
 records it in `unacked` in a second command, so a worker whose connection dies in between
 holds the only copy; a Redis that restarts from its append-only file may have lost its last
-second of writes; an API process may die between recording a job and publishing it. Every
+second of writes (the API records a job and pushes its message in one call). Every
 `GENQ_RECONCILE_INTERVAL` each worker therefore compares what the records say with what the
 broker holds (`Reaper.reconcile`):
 
