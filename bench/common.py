@@ -17,8 +17,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,8 +80,7 @@ def system_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_for_quiet(ours: Callable[[], float], max_other: float, timeout: float, log=None,
-                   settle: float = 2.0) -> bool:
+def wait_for_quiet(ours: Callable[[], float], max_other: float, timeout: float, log=None, settle: float = 2.0) -> bool:
     """Wait until processes other than ours (`ours()`: their CPU seconds) have used at most
     `max_other` cores for `settle` seconds in a row, or `timeout` seconds have passed.
     Returns whether it got quiet. On a shared machine this keeps a burst of someone else's
@@ -109,8 +108,6 @@ def wait_for_quiet(ours: Callable[[], float], max_other: float, timeout: float, 
             if log:
                 log("  the machine did not get quiet; measuring anyway")
             return False
-
-
 
 
 # -- logging and CPU --------------------------------------------------------------------------
@@ -319,8 +316,16 @@ def redis_version(url: str) -> str:
 class Stack:
     """An API and its workers serving a model name of their own (own queue)."""
 
-    def __init__(self, procs: Processes, redis_url: str, model_dir: Path | str, engine: str, label: str,
-                 max_batch_size: int = 64, **env: str):
+    def __init__(
+        self,
+        procs: Processes,
+        redis_url: str,
+        model_dir: Path | str,
+        engine: str,
+        label: str,
+        max_batch_size: int = 64,
+        **env: str,
+    ):
         self.procs = procs
         self.name = f"bench-{label}-{uuid.uuid4().hex[:6]}"
         self.engine, self.label = engine, label
@@ -360,8 +365,9 @@ class Stack:
         self.port = stack.free_port()
         env = {**self.env, "GENQ_PORT": str(self.port), "GENQ_API_WORKERS": str(api_workers)}
         self.api = self.procs.start(f"{self.label}-api{api_workers}", stack.api_argv(), env)
-        stack.wait_until(lambda: stack.http_get(self.base + "/healthz")[0] == 200, 60, "the API",
-                         [self.api, *self.workers])
+        stack.wait_until(
+            lambda: stack.http_get(self.base + "/healthz")[0] == 200, 60, "the API", [self.api, *self.workers]
+        )
         if ready_workers:
             self.wait_ready(ready_workers, what)
 
@@ -391,7 +397,7 @@ def job_stats(r, model: str, t0: float, t1: float) -> dict:
     from tasks import keys
 
     prefix = keys.job("")
-    ids = [k[len(prefix):] for k in r.scan_iter(keys.job("*"), count=1000)]
+    ids = [k[len(prefix) :] for k in r.scan_iter(keys.job("*"), count=1000)]
     pipe = r.pipeline(transaction=False)
     for i in ids:
         pipe.hmget(keys.job(i), "model", "status", "created", "started", "finished")
@@ -476,8 +482,11 @@ def git_state() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    dirty = [ln[3:] for ln in git("status", "--porcelain", "--", "worker", "tasks", "webapp", "scripts",
-                                   "bench").splitlines() if len(ln) > 3 and not ln.startswith("??")]
+    dirty = [
+        ln[3:]
+        for ln in git("status", "--porcelain", "--", "worker", "tasks", "webapp", "scripts", "bench").splitlines()
+        if len(ln) > 3 and not ln.startswith("??")
+    ]
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or "?", "modified": dirty}
 
 
@@ -523,34 +532,63 @@ def checkpoint_dir(model: str, arch: str = "opt") -> Path:
     return ROOT / ".models" / (f"tiny-{arch}" if model == "tiny" else f"{arch}-{model.split('-')[-1]}-random")
 
 
-def parser(prog: str, doc: str, *, levels: str | None = None, out: str | None = None,
-           quiet_wait: bool = False, render: bool = False, model: bool = True) -> argparse.ArgumentParser:
+def parser(
+    prog: str,
+    doc: str,
+    *,
+    levels: str | None = None,
+    out: str | None = None,
+    quiet_wait: bool = False,
+    render: bool = False,
+    model: bool = True,
+) -> argparse.ArgumentParser:
     """The options every benchmark of the model path shares."""
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     if model:
-        ap.add_argument("--model", choices=MODELS, default="opt-125m",
-                        help="size of the dev checkpoint to build (worker/devmodels.py) and serve (default opt-125m)")
-        ap.add_argument("--arch", choices=ARCHS, default="opt",
-                        help="its architecture (default opt; llama: a Llama-shaped checkpoint of that size)")
+        ap.add_argument(
+            "--model",
+            choices=MODELS,
+            default="opt-125m",
+            help="size of the dev checkpoint to build (worker/devmodels.py) and serve (default opt-125m)",
+        )
+        ap.add_argument(
+            "--arch",
+            choices=ARCHS,
+            default="opt",
+            help="its architecture (default opt; llama: a Llama-shaped checkpoint of that size)",
+        )
     if levels is not None:
         ap.add_argument("--levels", default=levels, help=f"concurrent clients (default {levels})")
         ap.add_argument("--duration", type=float, default=20.0, help="seconds per level (default 20)")
-        ap.add_argument("--min-requests", type=int, default=3,
-                        help="requests each client completes per level (default 3)")
-    ap.add_argument("--max-other-load", type=float, default=0.3,
-                    help="a measurement during which processes outside the benchmark used more CPU "
-                    "cores than this is repeated (default 0.3)")
+        ap.add_argument(
+            "--min-requests", type=int, default=3, help="requests each client completes per level (default 3)"
+        )
+    ap.add_argument(
+        "--max-other-load",
+        type=float,
+        default=0.3,
+        help="a measurement during which processes outside the benchmark used more CPU "
+        "cores than this is repeated (default 0.3)",
+    )
     ap.add_argument("--retries", type=int, default=2, help="repeats of a disturbed measurement (default 2)")
     if quiet_wait:
-        ap.add_argument("--quiet-wait", type=float, default=90.0,
-                        help="before each measurement, wait up to this long for the rest of the machine to "
-                        "use at most --max-other-load cores (default 90 s; 0: do not wait)")
+        ap.add_argument(
+            "--quiet-wait",
+            type=float,
+            default=90.0,
+            help="before each measurement, wait up to this long for the rest of the machine to "
+            "use at most --max-other-load cores (default 90 s; 0: do not wait)",
+        )
     if out is not None:
         ap.add_argument("--out", type=Path, default=ROOT / "docs" / out)
         ap.add_argument("--no-write", action="store_true", help="print the report only")
     if render:
-        ap.add_argument("--render", type=Path, metavar="RESULTS_JSON",
-                        help="only write the report of an earlier run from its results.json")
+        ap.add_argument(
+            "--render",
+            type=Path,
+            metavar="RESULTS_JSON",
+            help="only write the report of an earlier run from its results.json",
+        )
     return ap
 
 
@@ -577,8 +615,16 @@ def stop_on_signals() -> None:
         signal.signal(signal.SIGHUP, _raise_interrupt)
 
 
-def run_bench(prog: str, args, raw_argv: list[str] | None, measure: Callable[[Processes, dict, Path], None], *,
-              out_prefix: str = "", log: Callable[[str], None] = log, **extra) -> dict | None:
+def run_bench(
+    prog: str,
+    args,
+    raw_argv: list[str] | None,
+    measure: Callable[[Processes, dict, Path], None],
+    *,
+    out_prefix: str = "",
+    log: Callable[[str], None] = log,
+    **extra,
+) -> dict | None:
     """What every benchmark's main does around its measurements: signals stop everything, an
     output folder bench/out/<prefix><timestamp>/ for logs and results.json, the run's facts
     (command, date, machine, arguments; with --model the checkpoint, built if needed), then
@@ -591,7 +637,7 @@ def run_bench(prog: str, args, raw_argv: list[str] | None, measure: Callable[[Pr
     outdir.mkdir(parents=True, exist_ok=True)
     res: dict = {
         "command": " ".join([f"python -m {prog}", *map(shlex.quote, raw_argv)]).replace(str(ROOT) + "/", ""),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_facts(),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "git": git_state(),
@@ -603,8 +649,13 @@ def run_bench(prog: str, args, raw_argv: list[str] | None, measure: Callable[[Pr
         arch = getattr(args, "arch", "opt")
         log(f"checkpoint {args.model} ({arch}): building if needed")
         model_dir = devmodels.ensure(args.model, checkpoint_dir(args.model, arch), arch=arch)
-        res.update(model=args.model, arch=arch, model_dir_abs=str(model_dir), model_dir=os.path.relpath(model_dir, ROOT),
-                   params_m=json.loads((model_dir / devmodels.MARKER_NAME).read_text()).get("parameters", 0) / 1e6)
+        res.update(
+            model=args.model,
+            arch=arch,
+            model_dir_abs=str(model_dir),
+            model_dir=os.path.relpath(model_dir, ROOT),
+            params_m=json.loads((model_dir / devmodels.MARKER_NAME).read_text()).get("parameters", 0) / 1e6,
+        )
     procs = Processes(outdir, log)
     interrupted = False
     try:
@@ -623,8 +674,9 @@ def run_bench(prog: str, args, raw_argv: list[str] | None, measure: Callable[[Pr
     return res
 
 
-def publish(res: dict | None, args, render: Callable[[dict], str], intro: str, marker: str,
-            log: Callable[[str], None] = log) -> int:
+def publish(
+    res: dict | None, args, render: Callable[[dict], str], intro: str, marker: str, log: Callable[[str], None] = log
+) -> int:
     """Print the page (the generated part below `marker`) and, unless --no-write, write it
     below the hand-written part of --out."""
     if res is None:

@@ -78,8 +78,7 @@ def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float,
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     # The engine as the worker builds it (its own copy of the weights), minus the token stream.
-    settings = Settings(model=model_dir, model_name="bench-inproc", engine="hf",
-                        max_batch_size=max(64, max(batches)))
+    settings = Settings(model=model_dir, model_name="bench-inproc", engine="hf", max_batch_size=max(64, max(batches)))
     engine = HFEngine(settings)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     gen_rows, eng_rows = [], []
@@ -89,8 +88,13 @@ def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float,
 
             def generate():
                 with torch.inference_mode():
-                    out = lm.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
-                                      min_new_tokens=MAX_NEW_TOKENS, pad_token_id=pad)
+                    out = lm.generate(
+                        **enc,
+                        do_sample=False,
+                        max_new_tokens=MAX_NEW_TOKENS,
+                        min_new_tokens=MAX_NEW_TOKENS,
+                        pad_token_id=pad,
+                    )
                 new = out.shape[1] - enc.input_ids.shape[1]
                 if new != MAX_NEW_TOKENS:
                     raise RuntimeError(f"generate made {new} tokens per row, expected {MAX_NEW_TOKENS}")
@@ -117,9 +121,13 @@ def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float,
                     r["prompt_tokens_mean"] = float(enc.attention_mask.sum(1).float().mean())
                 r.update(batch=b, req_s=b / r["latency_s"], tok_s=b * MAX_NEW_TOKENS / r["latency_s"])
                 rows.append(r)
-                log(f"{name:8s} batch {b:3d}: {r['latency_s']:.3f} s (runs "
+                log(
+                    f"{name:8s} batch {b:3d}: {r['latency_s']:.3f} s (runs "
                     + ", ".join(f"{t:.2f}" for t in r["runs_s"])
-                    + "; other load " + ", ".join(f"{o:.2f}" for o in r["runs_other"]) + ")")
+                    + "; other load "
+                    + ", ".join(f"{o:.2f}" for o in r["runs_other"])
+                    + ")"
+                )
     finally:
         engine.close()
     return {"generate": gen_rows, "engine": eng_rows}
@@ -131,10 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", required=True, help="comma-separated batch sizes")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--max-other-load", type=float, default=0.3,
-                    help="runs during which the rest of the machine used more cores are repeated")
-    ap.add_argument("--quiet-wait", type=float, default=90.0,
-                    help="after a disturbed run, wait up to this long for a quiet machine")
+    ap.add_argument(
+        "--max-other-load",
+        type=float,
+        default=0.3,
+        help="runs during which the rest of the machine used more cores are repeated",
+    )
+    ap.add_argument(
+        "--quiet-wait", type=float, default=90.0, help="after a disturbed run, wait up to this long for a quiet machine"
+    )
     args = ap.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",") if x.strip()]
 

@@ -22,8 +22,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bench.common import MAX_NEW_TOKENS, PROMPTS, CpuMeter, log, mean, own_cpu_s, percentile, quietest
 
@@ -39,23 +39,34 @@ _RETRYABLE = (
 
 def generate_bodies(max_new_tokens: int = MAX_NEW_TOKENS) -> list[bytes]:
     """One JSON body per prompt, encoded once: the client does no JSON work per request."""
-    return [
-        json.dumps({"prompt": p, "max_new_tokens": max_new_tokens, "ignore_eos": True}).encode()
-        for p in PROMPTS
-    ]
+    return [json.dumps({"prompt": p, "max_new_tokens": max_new_tokens, "ignore_eos": True}).encode() for p in PROMPTS]
 
 
 def completion_bodies(model: str | None, max_tokens: int = MAX_NEW_TOKENS, stream: bool = False) -> list[bytes]:
     """Bodies for POST /v1/completions: greedy, EOS ignored."""
     extra = {"stream": True} if stream else {}
-    return [json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
-                        "ignore_eos": True, **extra}).encode() for p in PROMPTS]
+    return [
+        json.dumps(
+            {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+        ).encode()
+        for p in PROMPTS
+    ]
 
 
 def chat_bodies(model: str | None, max_tokens: int = MAX_NEW_TOKENS) -> list[bytes]:
     """Bodies for POST /v1/chat/completions: one user message per prompt, greedy, EOS ignored."""
-    return [json.dumps({"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
-                        "temperature": 0, "ignore_eos": True}).encode() for p in PROMPTS]
+    return [
+        json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": p}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        ).encode()
+        for p in PROMPTS
+    ]
 
 
 class Req:
@@ -72,7 +83,7 @@ Hook = Callable[["_Client", bytes, Req], None]
 
 
 class _Client(threading.Thread):
-    def __init__(self, run: "_Run", idx: int):
+    def __init__(self, run: _Run, idx: int):
         super().__init__(name=f"bench-client-{idx}", daemon=True)
         self.run_, self.idx = run, idx
         self.conn: http.client.HTTPConnection | None = None
@@ -230,9 +241,13 @@ def sse_stats(counted: list[Req]) -> dict:
     ttft_text = [rq.ttft_text for rq in counted if rq.ttft_text is not None]
     gaps = [g for rq in counted for g in rq.gaps]
     return {
-        "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_mean": mean(ttft),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p90": percentile(ttft, 90),
+        "ttft_mean": mean(ttft),
         "ttft_text_p50": percentile(ttft_text, 50),
-        "itl_p50": percentile(gaps, 50), "itl_p90": percentile(gaps, 90), "itl_p99": percentile(gaps, 99),
+        "itl_p50": percentile(gaps, 50),
+        "itl_p90": percentile(gaps, 90),
+        "itl_p99": percentile(gaps, 99),
         "itl_mean": mean(gaps),
         # Gaps under 1 ms: tokens that reached the client together (one read, or back to back).
         "itl_burst_share": (sum(g < 0.001 for g in gaps) / len(gaps)) if gaps else math.nan,
@@ -271,8 +286,9 @@ def closed_loop(
     there). `max_window` caps the window even if some client has not reached `min_per_client`
     (the result then says so).
     """
-    run = _Run(host, port, request or post_request(path, expect), bodies or generate_bodies(), clients, warmup,
-               timeout, offset)
+    run = _Run(
+        host, port, request or post_request(path, expect), bodies or generate_bodies(), clients, warmup, timeout, offset
+    )
     threads = [_Client(run, i) for i in range(clients)]
     for t in threads:
         t.start()
@@ -349,9 +365,20 @@ def closed_loop(
     }
 
 
-def measure_levels(label: str, port: int, levels: list[int], args, groups: dict, pids=(), *, warm: bool = True,
-                   min_requests: int | None = None, after: Callable[[dict], dict] | None = None,
-                   log: Callable[[str], None] = log, **loop) -> list[dict]:
+def measure_levels(
+    label: str,
+    port: int,
+    levels: list[int],
+    args,
+    groups: dict,
+    pids=(),
+    *,
+    warm: bool = True,
+    min_requests: int | None = None,
+    after: Callable[[dict], dict] | None = None,
+    log: Callable[[str], None] = log,
+    **loop,
+) -> list[dict]:
     """A warm-up round (unless `warm` is false), then per level: `closed_loop` (keyword
     arguments `loop`: path, bodies, request, ...) for --duration s and >= `min_requests`
     (--min-requests) per client, CPU of `groups` (a CpuMeter) in `cpu`, `after(result)` merged in,
@@ -364,15 +391,26 @@ def measure_levels(label: str, port: int, levels: list[int], args, groups: dict,
 
         def attempt():
             meter = CpuMeter(groups)
-            res = closed_loop("127.0.0.1", port, level, args.duration, warmup=1, on_window=meter, offset=level,
-                              min_per_client=args.min_requests if min_requests is None else min_requests, **loop)
+            res = closed_loop(
+                "127.0.0.1",
+                port,
+                level,
+                args.duration,
+                warmup=1,
+                on_window=meter,
+                offset=level,
+                min_per_client=args.min_requests if min_requests is None else min_requests,
+                **loop,
+            )
             res.pop("latencies")
             res["cpu"] = meter.result
             if after:
                 res.update(after(res))
-            log(f"{label} level {level:3d}: {res['rate']:.2f} req/s, p50 {res['p50']:.3f} s, "
+            log(
+                f"{label} level {level:3d}: {res['rate']:.2f} req/s, p50 {res['p50']:.3f} s, "
                 f"{res['requests']} requests in {res['window_s']:.1f} s, errors {res['errors']}, "
-                f"other load {meter.result.get('other', 0):.2f} cores")
+                f"other load {meter.result.get('other', 0):.2f} cores"
+            )
             if res["errors"]:
                 log(f"  first error: {res['error_sample']}")
             return res
@@ -381,9 +419,20 @@ def measure_levels(label: str, port: int, levels: list[int], args, groups: dict,
     return rows
 
 
-def spawn_load(procs, port: int, clients: int, nprocs: int, duration: float, outdir, tag: str,
-               on_window: Callable[[str], None] | None = None, lead: float = 0.3, max_new_tokens: int = MAX_NEW_TOKENS,
-               timeout: float = 120, completions_model: str | None = None) -> dict:
+def spawn_load(
+    procs,
+    port: int,
+    clients: int,
+    nprocs: int,
+    duration: float,
+    outdir,
+    tag: str,
+    on_window: Callable[[str], None] | None = None,
+    lead: float = 0.3,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    timeout: float = 120,
+    completions_model: str | None = None,
+) -> dict:
     """Closed-loop load on POST /basic_generate from `nprocs` processes of `python -m bench.load`
     (so the client's GIL is not the limit), `clients` threads in all, one shared window that
     opens `lead` s after every process's clients have warmed up and lasts `duration` s; their
@@ -397,9 +446,27 @@ def spawn_load(procs, port: int, clients: int, nprocs: int, duration: float, out
     loaders = []
     for i, n in enumerate(per):
         out = outdir / f"{tag}-load{i}.json"
-        argv = [sys.executable, "-m", "bench.load", "--port", str(port), "--clients", str(n),
-                "--duration", str(duration), "--barrier", str(barrier), "--warmup", "3", "--offset", str(i * 7),
-                "--max-new-tokens", str(max_new_tokens), "--out", str(out)]
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.load",
+            "--port",
+            str(port),
+            "--clients",
+            str(n),
+            "--duration",
+            str(duration),
+            "--barrier",
+            str(barrier),
+            "--warmup",
+            "3",
+            "--offset",
+            str(i * 7),
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--out",
+            str(out),
+        ]
         if completions_model:
             argv += ["--path", "/v1/completions", "--completions-model", completions_model]
         loaders.append((procs.start(f"{tag}-load{i}", argv), out))
@@ -408,8 +475,10 @@ def spawn_load(procs, port: int, clients: int, nprocs: int, duration: float, out
     while len(list(barrier.glob("ready-*"))) < nproc:
         dead = [p for p, _ in loaders if not p.alive()]
         if dead or time.monotonic() > deadline:
-            raise RuntimeError(f"a load generator {'exited' if dead else 'did not warm up'} before the window:\n"
-                               f"{(dead or [loaders[0][0]])[0].tail()}")
+            raise RuntimeError(
+                f"a load generator {'exited' if dead else 'did not warm up'} before the window:\n"
+                f"{(dead or [loaders[0][0]])[0].tail()}"
+            )
         time.sleep(0.02)
     start_at = time.time() + lead
     (barrier / "start.tmp").write_text(repr(start_at))
@@ -459,13 +528,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, required=True)
     ap.add_argument("--duration", type=float, required=True)
     ap.add_argument("--start-at", type=float, default=None, help="wall-clock time the window opens")
-    ap.add_argument("--barrier", type=Path, default=None,
-                    help="once warm, create BARRIER/ready-<pid>, then open the window at the time BARRIER/start holds")
+    ap.add_argument(
+        "--barrier",
+        type=Path,
+        default=None,
+        help="once warm, create BARRIER/ready-<pid>, then open the window at the time BARRIER/start holds",
+    )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--offset", type=int, default=0, help="first prompt index (varies prompts across processes)")
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
-    ap.add_argument("--completions-model", default=None,
-                    help="bodies for POST /v1/completions with this model (use with --path /v1/completions)")
+    ap.add_argument(
+        "--completions-model",
+        default=None,
+        help="bodies for POST /v1/completions with this model (use with --path /v1/completions)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.completions_model:
@@ -479,10 +555,20 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.01)
         return float((args.barrier / "start").read_text())
 
-    res = closed_loop(args.host, args.port, args.clients, args.duration, path=args.path,
-                      bodies=bodies, expect=expect, warmup=args.warmup,
-                      start_at=barrier if args.barrier else args.start_at,
-                      max_window=args.duration, offset=args.offset, drain_timeout=30)
+    res = closed_loop(
+        args.host,
+        args.port,
+        args.clients,
+        args.duration,
+        path=args.path,
+        bodies=bodies,
+        expect=expect,
+        warmup=args.warmup,
+        start_at=barrier if args.barrier else args.start_at,
+        max_window=args.duration,
+        offset=args.offset,
+        drain_timeout=30,
+    )
     with open(args.out, "w") as fh:
         json.dump(res, fh)
     return 0

@@ -28,8 +28,18 @@ import psutil
 import redis
 import requests
 
-from bench.common import (Processes, Stack, make_log, prompt, publish, redis_version, run_bench, run_lines,
-                          system_busy_s, table)
+from bench.common import (
+    Processes,
+    Stack,
+    make_log,
+    prompt,
+    publish,
+    redis_version,
+    run_bench,
+    run_lines,
+    system_busy_s,
+    table,
+)
 from scripts import stack
 from tasks import keys
 from tasks.config import queue_for
@@ -102,8 +112,17 @@ class Fleet(Stack):
     def __init__(self, procs: Processes, redis_url: str, label: str, env: dict[str, str]):
         # Greedy texts are compared with the reference run's: float32, whose logits do not depend
         # on the batch a job runs in (bfloat16's do).
-        super().__init__(procs, redis_url, stack.TINY_MODEL_DIR, "hf", label, BATCH, GENQ_LOG_LEVEL="INFO",
-                         GENQ_DTYPE="float32", **env)
+        super().__init__(
+            procs,
+            redis_url,
+            stack.TINY_MODEL_DIR,
+            "hf",
+            label,
+            BATCH,
+            GENQ_LOG_LEVEL="INFO",
+            GENQ_DTYPE="float32",
+            **env,
+        )
         self.r = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5)
         self.http = requests.Session()
         try:
@@ -126,8 +145,9 @@ class Fleet(Stack):
     def submit(self, prompts: list[str], tokens: int) -> list[str]:
         ids = []
         for p in prompts:
-            resp = self.http.post(self.base + "/v1/jobs", json={"prompt": p, "max_new_tokens": tokens, "ignore_eos": True},
-                                  timeout=30)
+            resp = self.http.post(
+                self.base + "/v1/jobs", json={"prompt": p, "max_new_tokens": tokens, "ignore_eos": True}, timeout=30
+            )
             if resp.status_code != 202:
                 raise RuntimeError(f"POST /v1/jobs: {resp.status_code} {resp.text[:300]}")
             ids.append(resp.json()["id"])
@@ -159,8 +179,10 @@ class Fleet(Stack):
         return "nowhere: neither queued nor unacknowledged"
 
     def log_count(self, needle: str) -> int:
-        return sum((self.procs.logdir / f"{self.label}-worker{n or ''}.log").read_text(errors="replace").count(needle)
-                   for n in range(self.started))
+        return sum(
+            (self.procs.logdir / f"{self.label}-worker{n or ''}.log").read_text(errors="replace").count(needle)
+            for n in range(self.started)
+        )
 
     def stop(self) -> None:
         for w in self.workers:
@@ -199,11 +221,14 @@ def duplicates(fleet: Fleet, ids: list[str], first: dict[str, list]) -> dict[str
         if i not in first:
             continue
         now = fleet.fingerprint(i)
-        why = [f"{what} changed after final" for what, a, b in zip(("record", "result", "stream"), first[i], now)
-               if a != b]
+        why = [
+            f"{what} changed after final" for what, a, b in zip(("record", "result", "stream"), first[i], now) if a != b
+        ]
         if first[i][2] != now[2]:
-            why.append(f"stream entries added {[e for e in now[2] if e not in first[i][2]][:5]}, "
-                       f"removed {[e for e in first[i][2] if e not in now[2]][:5]}")
+            why.append(
+                f"stream entries added {[e for e in now[2] if e not in first[i][2]][:5]}, "
+                f"removed {[e for e in first[i][2] if e not in now[2]][:5]}"
+            )
         if now[0].get("attempts", 0) > 2:
             why.append("attempts > 2")
         if why:
@@ -221,8 +246,12 @@ def prompts_for(n: int) -> list[str]:
 def pick_victim(fleet: Fleet, ids: list[str], tokens: int) -> tuple[str, list[str]]:
     """Mid-batch: once jobs run, the worker running most of them as soon as one of its jobs
     has a quarter of its tokens (or 10 s passed); returns its name and the jobs it runs."""
-    stack.wait_until(lambda: any(s == "running" for s, _ in fleet.fields(ids, "status", "worker")), 60,
-                     "jobs to run", [fleet.api, *fleet.workers])
+    stack.wait_until(
+        lambda: any(s == "running" for s, _ in fleet.fields(ids, "status", "worker")),
+        60,
+        "jobs to run",
+        [fleet.api, *fleet.workers],
+    )
     deadline = time.monotonic() + 10
     while True:
         running: dict[str, list[str]] = {}
@@ -264,18 +293,26 @@ def fault_run(procs, redis_url, plan: Plan, label: str, sig: signal.Signals | No
         texts = [r.get("result", {}).get("text") for r in recs]
         lost = [{**r, "id": i, "message": fleet.message_of(i)} for i, r in zip(ids, recs) if r["status"] != "succeeded"]
         finished = [r["timings"]["finished"] for r in recs if r["status"] == "succeeded"]
-        out.update(jobs=len(ids), lost=len(lost), lost_jobs=lost,
-                   all_done_s=max(finished) - (t_sig if sig else submitted) if finished and not lost else None)
+        out.update(
+            jobs=len(ids),
+            lost=len(lost),
+            lost_jobs=lost,
+            all_done_s=max(finished) - (t_sig if sig else submitted) if finished and not lost else None,
+        )
         if sig is None:
             reference.update(zip(prompts, texts))
         out["mismatched"] = sum(reference.get(p) != t for p, t in zip(prompts, texts)) if reference else None
         if sig:
             moved = [r for r in recs if r.get("attempts", 0) > 1]
             restarted = [r["timings"]["started"] - t_sig for r in moved]
-            out.update(moved=len(moved), moved_not_held=sum(r["id"] not in held for r in moved),
-                       restarted_s=min(restarted) if restarted else None,
-                       recovery_s=max(r["timings"]["finished"] - t_sig for r in moved)
-                       if moved and all(r["status"] == "succeeded" for r in moved) else None)
+            out.update(
+                moved=len(moved),
+                moved_not_held=sum(r["id"] not in held for r in moved),
+                restarted_s=min(restarted) if restarted else None,
+                recovery_s=max(r["timings"]["finished"] - t_sig for r in moved)
+                if moved and all(r["status"] == "succeeded" for r in moved)
+                else None,
+            )
         if sig == signal.SIGSTOP:  # awake again: whatever it writes now must be discarded
             victim.signal(signal.SIGCONT)
             woke = time.monotonic()
@@ -304,8 +341,12 @@ def redis_restart(procs: Processes, outdir: Path, plan: Plan) -> dict:
         fleet.start_worker()
         fleet.ready(1)
         ids = fleet.submit(prompts_for(plan.redis_jobs), plan.redis_tokens)
-        stack.wait_until(lambda: any(s == "running" for (s,) in fleet.fields(ids, "status")), 60, "jobs to run",
-                         [fleet.api, *fleet.workers])
+        stack.wait_until(
+            lambda: any(s == "running" for (s,) in fleet.fields(ids, "status")),
+            60,
+            "jobs to run",
+            [fleet.api, *fleet.workers],
+        )
         before = [s for (s,) in fleet.fields(ids, "status")]
         out["at_kill"] = {s: before.count(s) for s in sorted(set(before))}
         db.proc.signal(signal.SIGKILL)
@@ -326,8 +367,16 @@ def redis_restart(procs: Processes, outdir: Path, plan: Plan) -> dict:
                         err = (resp.json().get("error") or {}).get("code") if code >= 400 else None
                     except (requests.RequestException, ValueError) as exc:
                         code, err = "none", type(exc).__name__
-                    probes.append({"what": what, "code": code, "error": err, "latency_s": time.monotonic() - t,
-                                   "at_s": t - t_kill, "down": stop_on_ok is False})
+                    probes.append(
+                        {
+                            "what": what,
+                            "code": code,
+                            "error": err,
+                            "latency_s": time.monotonic() - t,
+                            "at_s": t - t_kill,
+                            "down": stop_on_ok is False,
+                        }
+                    )
                     if stop_on_ok and what.startswith("GET /v1") and code == 200:
                         return
                 if until is not None and time.monotonic() > until or time.monotonic() - t_kill > 120:
@@ -352,9 +401,17 @@ def redis_restart(procs: Processes, outdir: Path, plan: Plan) -> dict:
         ok = [r for r in recs if r["status"] == "succeeded" and r["result"]["completion_tokens"] == plan.redis_tokens]
         lost = [{**r, "id": i, "message": fleet.message_of(i)} for i, r in zip(ids, recs) if r not in ok]
         dup = duplicates(fleet, ids, first)
-        out.update(succeeded=len(ok), lost=len(lost), lost_jobs=lost, duplicated=len(dup), duplicated_jobs=dup,
-                   attempts_over_1=sum(r.get("attempts", 0) > 1 for r in recs), worker_alive=fleet.workers[0].alive(),
-                   last_done_s=max(r["timings"]["finished"] for r in ok) - t_up_wall if ok else None, probes=probes)
+        out.update(
+            succeeded=len(ok),
+            lost=len(lost),
+            lost_jobs=lost,
+            duplicated=len(dup),
+            duplicated_jobs=dup,
+            attempts_over_1=sum(r.get("attempts", 0) > 1 for r in recs),
+            worker_alive=fleet.workers[0].alive(),
+            last_done_s=max(r["timings"]["finished"] for r in ok) - t_up_wall if ok else None,
+            probes=probes,
+        )
         return out
     finally:
         out["other_load"] = other()
@@ -386,8 +443,11 @@ def sentinel_failover(procs: Processes, plan: Plan, min_replicas: int) -> dict:
     env = {**plan.beat, "GENQ_REDIS_SENTINELS": sen.sentinels_env, "GENQ_REDIS_MASTER": sen.master_name}
     fleet = Fleet(procs, "redis://127.0.0.1:1/0", f"sentinel{min_replicas}", env)  # REDIS_URL: nowhere
     fleet.r.close()
-    fleet.r = redis_conn.client(Settings(redis_sentinels=sen.sentinels_env, redis_master=sen.master_name),
-                                decode_responses=True, socket_timeout=5)
+    fleet.r = redis_conn.client(
+        Settings(redis_sentinels=sen.sentinels_env, redis_master=sen.master_name),
+        decode_responses=True,
+        socket_timeout=5,
+    )
     out: dict = {"min_replicas_to_write": min_replicas, "jobs": plan.redis_jobs, "tokens": plan.sentinel_tokens}
     accepted: list[tuple[float, str]] = []  # (monotonic time of the 202, id) of the steady client's jobs
     posts: list[tuple[float, int]] = []
@@ -415,8 +475,12 @@ def sentinel_failover(procs: Processes, plan: Plan, min_replicas: int) -> dict:
         fleet.ready(2)
         pids = [w.pid for w in fleet.workers]
         ids = fleet.submit(prompts_for(plan.redis_jobs), plan.sentinel_tokens)
-        stack.wait_until(lambda: any(s == "running" for (s,) in fleet.fields(ids, "status")), 60, "jobs to run",
-                         [fleet.api, *fleet.workers])
+        stack.wait_until(
+            lambda: any(s == "running" for (s,) in fleet.fields(ids, "status")),
+            60,
+            "jobs to run",
+            [fleet.api, *fleet.workers],
+        )
         client.start()
         stack.wait_until(lambda: len(accepted) >= 10, 30, "the client's jobs", [fleet.api, *fleet.workers])
         before = [s for (s,) in fleet.fields(ids, "status")]
@@ -443,8 +507,10 @@ def sentinel_failover(procs: Processes, plan: Plan, min_replicas: int) -> dict:
         stop.set()
         client.join(15)
         t_kill_post = [(t - t_kill, c) for t, c in posts]
-        out["post_codes_after_kill"] = {str(c): sum(1 for t, c2 in t_kill_post if t > 0 and c2 == c)
-                                        for c in sorted({c for t, c in t_kill_post if t > 0})}
+        out["post_codes_after_kill"] = {
+            str(c): sum(1 for t, c2 in t_kill_post if t > 0 and c2 == c)
+            for c in sorted({c for t, c in t_kill_post if t > 0})
+        }
         out["accepting_again_s"] = _outage([(t, c) for t, c in t_kill_post if t > 0], 202)[1]
         steady_before = [i for t, i in accepted if t < t_kill]
         out["steady_before"] = len(steady_before)
@@ -455,14 +521,26 @@ def sentinel_failover(procs: Processes, plan: Plan, min_replicas: int) -> dict:
         ok = {i for i, r in recs.items() if r.get("status") == "succeeded"}
         lost = [{**r, "id": i, "message": fleet.message_of(i)} for i, r in recs.items() if i not in ok]
         dup = duplicates(fleet, every, first)
-        started_after = [r["timings"]["started"] - t_kill_wall for i, r in recs.items() if i in ok
-                         and r["timings"]["started"] > t_kill_wall]
-        out.update(accepted_before=len(ids) + len(steady_before), accepted_after=len(every) - len(ids) - len(steady_before),
-                   succeeded=len(ok), lost=len(lost), lost_jobs=lost, duplicated=len(dup), duplicated_jobs=dup,
-                   attempts_over_1=sum(r.get("attempts", 0) > 1 for r in recs.values()),
-                   worker_started_s=min(started_after) if started_after else None,
-                   workers_alive=sum(w.alive() for w in fleet.workers), workers_same=[w.pid for w in fleet.workers] == pids,
-                   unrecoverable=fleet.log_count("Unrecoverable error"), probes=probes)
+        started_after = [
+            r["timings"]["started"] - t_kill_wall
+            for i, r in recs.items()
+            if i in ok and r["timings"]["started"] > t_kill_wall
+        ]
+        out.update(
+            accepted_before=len(ids) + len(steady_before),
+            accepted_after=len(every) - len(ids) - len(steady_before),
+            succeeded=len(ok),
+            lost=len(lost),
+            lost_jobs=lost,
+            duplicated=len(dup),
+            duplicated_jobs=dup,
+            attempts_over_1=sum(r.get("attempts", 0) > 1 for r in recs.values()),
+            worker_started_s=min(started_after) if started_after else None,
+            workers_alive=sum(w.alive() for w in fleet.workers),
+            workers_same=[w.pid for w in fleet.workers] == pids,
+            unrecoverable=fleet.log_count("Unrecoverable error"),
+            probes=probes,
+        )
         return out
     finally:
         stop.set()
@@ -483,6 +561,7 @@ def poison(procs: Processes, redis_url: str, plan: Plan) -> dict:
         t0 = time.time()
         (job,) = fleet.submit(["poison"], plan.poison_tokens)
         for attempt in (1, 2, 3):
+
             def running() -> bool:
                 status, n = fleet.fields([job], "status", "attempts")[0]
                 if status in FINAL:
@@ -497,15 +576,22 @@ def poison(procs: Processes, redis_url: str, plan: Plan) -> dict:
             victim.popen.wait(10)
             fleet.drop(victim)
             fleet.start_worker()  # as make run restarts a worker that died
-            out["attempts_seen"].append({"attempt": attempt, "started_s": rec["timings"]["started"] - t0,
-                                         "killed_s": killed - t0})
+            out["attempts_seen"].append(
+                {"attempt": attempt, "started_s": rec["timings"]["started"] - t0, "killed_s": killed - t0}
+            )
         stack.wait_until(lambda: fleet.fields([job], "status")[0][0] in FINAL, 90, "the poison job to end", [fleet.api])
         rec = fleet.view(job)
-        out.update(status=rec["status"], attempts=rec["attempts"], error=rec.get("error"),
-                   failed_s=rec["timings"]["finished"] - t0, after_last_kill_s=rec["timings"]["finished"] - t0
-                   - out["attempts_seen"][-1]["killed_s"])
+        out.update(
+            status=rec["status"],
+            attempts=rec["attempts"],
+            error=rec.get("error"),
+            failed_s=rec["timings"]["finished"] - t0,
+            after_last_kill_s=rec["timings"]["finished"] - t0 - out["attempts_seen"][-1]["killed_s"],
+        )
         fleet.ready(2)
-        resp = fleet.http.post(fleet.base + "/basic_generate", json={"prompt": "Hello", "max_new_tokens": 4}, timeout=60)
+        resp = fleet.http.post(
+            fleet.base + "/basic_generate", json={"prompt": "Hello", "max_new_tokens": 4}, timeout=60
+        )
         out["fleet_after"] = resp.status_code
         return out
     finally:
@@ -529,106 +615,240 @@ def verdicts(res: dict) -> list[tuple[str, str]]:
     out = [(ok(lost == 0), f"jobs lost: {lost}"), (ok(dup == 0), f"jobs duplicated: {dup}")]
     if faults:
         worst = [r.get("recovery_s") for r in faults]
-        out.append((ok(all(v is not None and v <= TARGET_S for v in worst)),
-                    f"a lost worker's jobs all succeeded elsewhere within {TARGET_S} s of the signal (worst: "
-                    f"{_s(max((v for v in worst if v is not None), default=None))} s)"))
+        out.append(
+            (
+                ok(all(v is not None and v <= TARGET_S for v in worst)),
+                f"a lost worker's jobs all succeeded elsewhere within {TARGET_S} s of the signal (worst: "
+                f"{_s(max((v for v in worst if v is not None), default=None))} s)",
+            )
+        )
         if res["reference"]:
             out.append((ok(all(r.get("mismatched") == 0 for r in faults)), "greedy texts equal the reference run's"))
     if p := res["poison"]:
-        out.append((ok(p.get("status") == "failed" and (p.get("error") or {}).get("code") == "worker_lost"
-                       and p.get("fleet_after") == 200), "the poison job failed with worker_lost after 3 attempts, "
-                    "the fleet stayed up"))
+        out.append(
+            (
+                ok(
+                    p.get("status") == "failed"
+                    and (p.get("error") or {}).get("code") == "worker_lost"
+                    and p.get("fleet_after") == 200
+                ),
+                "the poison job failed with worker_lost after 3 attempts, the fleet stayed up",
+            )
+        )
     return out + [("FAIL", f"every scenario ran to its end ({len(res['errors'])} did not)")] * bool(res["errors"])
 
 
 def findings(res: dict) -> list[str]:
     runs = [("reference run", res["reference"]), ("Redis restart", res["redis"])]
     runs[1:1] = [(f"{r['signal']} run {n + 1}", r) for k in ("sigkill", "sigstop") for n, r in enumerate(res[k])]
-    runs += [(f"Sentinel failover (min-replicas-to-write {r.get('min_replicas_to_write')})", r)
-             for r in res.get("sentinel", [])]
+    runs += [
+        (f"Sentinel failover (min-replicas-to-write {r.get('min_replicas_to_write')})", r)
+        for r in res.get("sentinel", [])
+    ]
     out = []
     for label, r in runs:
         for j in (r or {}).get("lost_jobs", []):
-            out.append(f"- {label}: job `{j['id']}` **lost**: status `{j['status']}`, attempts {j.get('attempts')}, "
-                       f"worker `{j.get('worker', '-')}`; its broker message: {j['message']}")
+            out.append(
+                f"- {label}: job `{j['id']}` **lost**: status `{j['status']}`, attempts {j.get('attempts')}, "
+                f"worker `{j.get('worker', '-')}`; its broker message: {j['message']}"
+            )
         for i, d in (r or {}).get("duplicated_jobs", {}).items():
-            out.append(f"- {label}: job `{i}` **duplicated**: {'; '.join(d['why'])} (status `{d['job'].get('status')}`, "
-                       f"attempts {d['job'].get('attempts')})")
+            out.append(
+                f"- {label}: job `{i}` **duplicated**: {'; '.join(d['why'])} (status `{d['job'].get('status')}`, "
+                f"attempts {d['job'].get('attempts')})"
+            )
     return out
 
 
 def render(res: dict) -> str:
     plan, a, beat = res["plan"], res["args"], res["plan"]["beat"]
     L = [MARKER, "", "## Latest run", "", *run_lines(res)]
-    L.append(f"- Redis {res['redis_version']}; hf workers on the tiny model, GENQ_MAX_BATCH_SIZE={BATCH}, "
-             f"GENQ_DTYPE=float32, GENQ_HEARTBEAT_INTERVAL={beat['GENQ_HEARTBEAT_INTERVAL']} s, "
-             f"GENQ_HEARTBEAT_TTL={beat['GENQ_HEARTBEAT_TTL']} s"
-             + (" (the defaults)" if beat == DEFAULT_BEAT else " (--quick: the tests' fast heartbeat)")
-             + f"; {a['runs']} run(s) per fault; scenarios: {', '.join(a['only'])}")
+    L.append(
+        f"- Redis {res['redis_version']}; hf workers on the tiny model, GENQ_MAX_BATCH_SIZE={BATCH}, "
+        f"GENQ_DTYPE=float32, GENQ_HEARTBEAT_INTERVAL={beat['GENQ_HEARTBEAT_INTERVAL']} s, "
+        f"GENQ_HEARTBEAT_TTL={beat['GENQ_HEARTBEAT_TTL']} s"
+        + (" (the defaults)" if beat == DEFAULT_BEAT else " (--quick: the tests' fast heartbeat)")
+        + f"; {a['runs']} run(s) per fault; scenarios: {', '.join(a['only'])}"
+    )
     L += ["", "## Verdict", ""] + [f"- **{v}** {s}" for v, s in verdicts(res)]
     found = findings(res)
     L += ["", "Lost and duplicated jobs:", "", *found] if found else ["", "No job was lost or duplicated."]
     L += ["", "Errors:", ""] + [f"- {e}" for e in res["errors"]] if res["errors"] else []
     faults = [r for k in ("sigkill", "sigstop") for r in res[k]]
     if faults:
-        L += ["", "## A worker killed (SIGKILL) or hung (SIGSTOP) mid-batch", "",
-              f"Two workers, {plan['jobs']} jobs of {plan['tokens']} tokens; the worker running most of them gets "
-              "the signal once one of its jobs has a quarter of its tokens. Seconds from the signal"
-              + (f"; reference run (no fault): all done {_s(res['reference'].get('all_done_s'))} s after submission"
-                 if res["reference"] else "") + ".", ""]
-        L.append(table(["signal", "run", "held", "run again", "restarted s", "recovered s", "all done s", "lost",
-                        "duplicated", "text ≠ reference", "workers after SIGCONT", "other load"],
-                       [[r["signal"], n + 1, r.get("held", "?"), r.get("moved", "?"), _s(r.get("restarted_s")),
-                         _s(r.get("recovery_s")), _s(r.get("all_done_s")), r.get("lost", "?"), r.get("duplicated", "?"),
-                         "-" if r.get("mismatched") is None else r["mismatched"], r.get("back_after_wake", "-"),
-                         _s(r["other_load"])]
-                        for k in ("sigkill", "sigstop") for n, r in enumerate(res[k])]))
-        L += ["", "*held*: jobs running on the lost worker; *restarted*: the first of them running again "
-              "elsewhere; *recovered*: the last of them succeeded; *duplicated*: more than 2 attempts, or record, "
-              "result or token stream changed after it was final."]
+        L += [
+            "",
+            "## A worker killed (SIGKILL) or hung (SIGSTOP) mid-batch",
+            "",
+            f"Two workers, {plan['jobs']} jobs of {plan['tokens']} tokens; the worker running most of them gets "
+            "the signal once one of its jobs has a quarter of its tokens. Seconds from the signal"
+            + (
+                f"; reference run (no fault): all done {_s(res['reference'].get('all_done_s'))} s after submission"
+                if res["reference"]
+                else ""
+            )
+            + ".",
+            "",
+        ]
+        L.append(
+            table(
+                [
+                    "signal",
+                    "run",
+                    "held",
+                    "run again",
+                    "restarted s",
+                    "recovered s",
+                    "all done s",
+                    "lost",
+                    "duplicated",
+                    "text ≠ reference",
+                    "workers after SIGCONT",
+                    "other load",
+                ],
+                [
+                    [
+                        r["signal"],
+                        n + 1,
+                        r.get("held", "?"),
+                        r.get("moved", "?"),
+                        _s(r.get("restarted_s")),
+                        _s(r.get("recovery_s")),
+                        _s(r.get("all_done_s")),
+                        r.get("lost", "?"),
+                        r.get("duplicated", "?"),
+                        "-" if r.get("mismatched") is None else r["mismatched"],
+                        r.get("back_after_wake", "-"),
+                        _s(r["other_load"]),
+                    ]
+                    for k in ("sigkill", "sigstop")
+                    for n, r in enumerate(res[k])
+                ],
+            )
+        )
+        L += [
+            "",
+            "*held*: jobs running on the lost worker; *restarted*: the first of them running again "
+            "elsewhere; *recovered*: the last of them succeeded; *duplicated*: more than 2 attempts, or record, "
+            "result or token stream changed after it was final.",
+        ]
     if rd := res["redis"]:
-        L += ["", "## Redis restart", "",
-              f"One worker, {rd.get('jobs')} jobs of {rd.get('tokens')} tokens; Redis (append-only file, as `make "
-              "run`'s) SIGKILLed once the first ran, the API probed meanwhile, Redis restarted on its port and data "
-              "directory. Seconds after Redis was back:", ""]
-        L.append(table(["jobs", "succeeded", "lost", "duplicated", "outage s", "API answers again s", "all done s",
-                        "worker survived"],
-                       [[rd.get("jobs"), rd.get("succeeded", "?"), rd.get("lost", "?"), rd.get("duplicated", "?"),
-                         _s(rd.get("outage_s")), _s(rd.get("api_back_s")), _s(rd.get("last_done_s")),
-                         {True: "yes", False: "no"}.get(rd.get("worker_alive"), "?")]]))
+        L += [
+            "",
+            "## Redis restart",
+            "",
+            f"One worker, {rd.get('jobs')} jobs of {rd.get('tokens')} tokens; Redis (append-only file, as `make "
+            "run`'s) SIGKILLed once the first ran, the API probed meanwhile, Redis restarted on its port and data "
+            "directory. Seconds after Redis was back:",
+            "",
+        ]
+        L.append(
+            table(
+                [
+                    "jobs",
+                    "succeeded",
+                    "lost",
+                    "duplicated",
+                    "outage s",
+                    "API answers again s",
+                    "all done s",
+                    "worker survived",
+                ],
+                [
+                    [
+                        rd.get("jobs"),
+                        rd.get("succeeded", "?"),
+                        rd.get("lost", "?"),
+                        rd.get("duplicated", "?"),
+                        _s(rd.get("outage_s")),
+                        _s(rd.get("api_back_s")),
+                        _s(rd.get("last_done_s")),
+                        {True: "yes", False: "no"}.get(rd.get("worker_alive"), "?"),
+                    ]
+                ],
+            )
+        )
         groups: dict[tuple, list[dict]] = {}
         for pr in rd.get("probes", []):
-            groups.setdefault(("while down" if pr["down"] else "after", pr["what"], pr["code"], pr["error"]), []).append(pr)
+            groups.setdefault(
+                ("while down" if pr["down"] else "after", pr["what"], pr["code"], pr["error"]), []
+            ).append(pr)
         L += ["", "The API's answers:", ""]
-        L.append(table(["when", "request", "status", "error code", "answers", "slowest s"],
-                       [[*k[:3], k[3] or "-", len(v), _s(max(x["latency_s"] for x in v), 2)] for k, v in groups.items()]))
+        L.append(
+            table(
+                ["when", "request", "status", "error code", "answers", "slowest s"],
+                [[*k[:3], k[3] or "-", len(v), _s(max(x["latency_s"] for x in v), 2)] for k, v in groups.items()],
+            )
+        )
     if sn := res.get("sentinel"):
-        L += ["", "## Redis Sentinel failover", "",
-              f"A master, a replica and three sentinels (quorum 2, down-after 1 s, failover-timeout 5 s; "
-              "scripts/stack.py `SentinelRedis`); two workers and the API know only the sentinels "
-              f"(GENQ_REDIS_SENTINELS). {sn[0].get('jobs')} jobs of {sn[0].get('tokens')} tokens queued and running, "
-              "a client submitting 4-token jobs every 50 ms from before the kill (10 accepted) to 5 s after the API "
-              "serves again; the master SIGKILLed; `GET /v1/jobs/<id>` probed every 0.1 s. Seconds from the kill:", ""]
-        L.append(table(["min-replicas-to-write", "jobs at kill", "accepted before kill (last 1 s)", "replica promoted s",
-                        "first 503 s", "API serves again s", "POST accepted again s", "a worker starts a job s",
-                        "accepted after", "succeeded", "lost", "attempts > 1", "duplicated", "workers same pids",
-                        "other load"],
-                       [[r.get("min_replicas_to_write"), " ".join(f"{k} {v}" for k, v in (r.get("at_kill") or {}).items()),
-                         f"{r.get('accepted_before', '?')} ({r.get('steady_last_s_before', '?')})",
-                         _s(r.get("promoted_s")), _s(r.get("api_first_503_s"), 2), _s(r.get("api_back_s")),
-                         _s(r.get("accepting_again_s")), _s(r.get("worker_started_s")), r.get("accepted_after", "?"),
-                         r.get("succeeded", "?"), r.get("lost", "?"), r.get("attempts_over_1", "?"),
-                         r.get("duplicated", "?"), {True: "yes", False: "no"}.get(r.get("workers_same"), "?"),
-                         _s(r["other_load"])] for r in sn]))
+        L += [
+            "",
+            "## Redis Sentinel failover",
+            "",
+            f"A master, a replica and three sentinels (quorum 2, down-after 1 s, failover-timeout 5 s; "
+            "scripts/stack.py `SentinelRedis`); two workers and the API know only the sentinels "
+            f"(GENQ_REDIS_SENTINELS). {sn[0].get('jobs')} jobs of {sn[0].get('tokens')} tokens queued and running, "
+            "a client submitting 4-token jobs every 50 ms from before the kill (10 accepted) to 5 s after the API "
+            "serves again; the master SIGKILLed; `GET /v1/jobs/<id>` probed every 0.1 s. Seconds from the kill:",
+            "",
+        ]
+        L.append(
+            table(
+                [
+                    "min-replicas-to-write",
+                    "jobs at kill",
+                    "accepted before kill (last 1 s)",
+                    "replica promoted s",
+                    "first 503 s",
+                    "API serves again s",
+                    "POST accepted again s",
+                    "a worker starts a job s",
+                    "accepted after",
+                    "succeeded",
+                    "lost",
+                    "attempts > 1",
+                    "duplicated",
+                    "workers same pids",
+                    "other load",
+                ],
+                [
+                    [
+                        r.get("min_replicas_to_write"),
+                        " ".join(f"{k} {v}" for k, v in (r.get("at_kill") or {}).items()),
+                        f"{r.get('accepted_before', '?')} ({r.get('steady_last_s_before', '?')})",
+                        _s(r.get("promoted_s")),
+                        _s(r.get("api_first_503_s"), 2),
+                        _s(r.get("api_back_s")),
+                        _s(r.get("accepting_again_s")),
+                        _s(r.get("worker_started_s")),
+                        r.get("accepted_after", "?"),
+                        r.get("succeeded", "?"),
+                        r.get("lost", "?"),
+                        r.get("attempts_over_1", "?"),
+                        r.get("duplicated", "?"),
+                        {True: "yes", False: "no"}.get(r.get("workers_same"), "?"),
+                        _s(r["other_load"]),
+                    ]
+                    for r in sn
+                ],
+            )
+        )
         L += ["", "The API's answers to the probe, and to the client's POSTs after the kill (status: count):", ""]
-        L += [f"- min-replicas-to-write {r.get('min_replicas_to_write')}: GET {r.get('probe_codes')}, "
-              f"POST {r.get('post_codes_after_kill')}" for r in sn]
+        L += [
+            f"- min-replicas-to-write {r.get('min_replicas_to_write')}: GET {r.get('probe_codes')}, "
+            f"POST {r.get('post_codes_after_kill')}"
+            for r in sn
+        ]
     if po := res["poison"]:
         err = po.get("error") or {}
-        L += ["", "## Poison job", "",
-              f"GENQ_MAX_ATTEMPTS=3; whichever worker runs the job is SIGKILLed on every attempt and replaced. "
-              f"Outcome: status `{po.get('status')}` after {po.get('attempts')} attempts, {_s(po.get('failed_s'))} s "
-              f"after submission, error `{err.get('code')}`; a new job afterwards: HTTP {po.get('fleet_after')}."]
+        L += [
+            "",
+            "## Poison job",
+            "",
+            f"GENQ_MAX_ATTEMPTS=3; whichever worker runs the job is SIGKILLed on every attempt and replaced. "
+            f"Outcome: status `{po.get('status')}` after {po.get('attempts')} attempts, {_s(po.get('failed_s'))} s "
+            f"after submission, error `{err.get('code')}`; a new job afterwards: HTTP {po.get('fleet_after')}.",
+        ]
     L.append("")
     return "\n".join(L)
 
@@ -642,9 +862,12 @@ SCENARIOS = ("reference", "sigkill", "sigstop", "redis", "sentinel", "poison")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.reliability", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="runs of each fault, SIGKILL and SIGSTOP (default 5)")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"fewer, shorter jobs and the tests' fast heartbeat ({QUICK.jobs} x {QUICK.tokens} tokens, "
-                    f"TTL {QUICK.beat['GENQ_HEARTBEAT_TTL']} s): a smoke test, not a measurement")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"fewer, shorter jobs and the tests' fast heartbeat ({QUICK.jobs} x {QUICK.tokens} tokens, "
+        f"TTL {QUICK.beat['GENQ_HEARTBEAT_TTL']} s): a smoke test, not a measurement",
+    )
     ap.add_argument("--only", default=",".join(SCENARIOS), help=f"scenarios to run (default {','.join(SCENARIOS)})")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability.md")
     ap.add_argument("--no-write", action="store_true", help="print the report only")
@@ -685,34 +908,66 @@ def main(argv: list[str] | None = None) -> int:
         reference: dict[str, str] = {}
         if "reference" in args.only:
             log(f"reference run: {plan.jobs} jobs x {plan.tokens} tokens, two workers, no fault")
-            res["reference"] = _guarded(res["errors"], "reference", fault_run, procs, db.url, plan, "ref", None,
-                                        reference)
+            res["reference"] = _guarded(
+                res["errors"], "reference", fault_run, procs, db.url, plan, "ref", None, reference
+            )
         for sig in (signal.SIGKILL, signal.SIGSTOP):
             for n in range(args.runs if sig.name.lower() in args.only else 0):
                 log(f"{sig.name} run {n + 1}/{args.runs}")
-                r = _guarded(res["errors"], f"{sig.name} run {n + 1}", fault_run, procs, db.url, plan,
-                             f"{sig.name.lower()}{n + 1}", sig, reference)
+                r = _guarded(
+                    res["errors"],
+                    f"{sig.name} run {n + 1}",
+                    fault_run,
+                    procs,
+                    db.url,
+                    plan,
+                    f"{sig.name.lower()}{n + 1}",
+                    sig,
+                    reference,
+                )
                 r.setdefault("signal", sig.name)
                 res[sig.name.lower()].append(r)
-                log(f"  held {r.get('held')}, recovered in {_s(r.get('recovery_s'))} s, lost {r.get('lost')}, "
-                    f"duplicated {r.get('duplicated')}")
+                log(
+                    f"  held {r.get('held')}, recovered in {_s(r.get('recovery_s'))} s, lost {r.get('lost')}, "
+                    f"duplicated {r.get('duplicated')}"
+                )
         if "redis" in args.only:
             log(f"Redis restart: {plan.redis_jobs} jobs x {plan.redis_tokens} tokens, one worker")
             res["redis"] = _guarded(res["errors"], "Redis restart", redis_restart, procs, outdir, plan)
         for m in (0, 1) if "sentinel" in args.only else ():
-            log(f"Sentinel failover, min-replicas-to-write {m}: {plan.redis_jobs} jobs x {plan.sentinel_tokens} tokens, "
-                "two workers")
-            r = _guarded(res["errors"], f"Sentinel failover (min-replicas-to-write {m})", sentinel_failover, procs, plan, m)
+            log(
+                f"Sentinel failover, min-replicas-to-write {m}: {plan.redis_jobs} jobs x {plan.sentinel_tokens} tokens, "
+                "two workers"
+            )
+            r = _guarded(
+                res["errors"], f"Sentinel failover (min-replicas-to-write {m})", sentinel_failover, procs, plan, m
+            )
             r.setdefault("min_replicas_to_write", m)
             res["sentinel"].append(r)
-            log(f"  API back {_s(r.get('api_back_s'))} s after the kill, lost {r.get('lost')}, "
-                f"duplicated {r.get('duplicated')}")
+            log(
+                f"  API back {_s(r.get('api_back_s'))} s after the kill, lost {r.get('lost')}, "
+                f"duplicated {r.get('duplicated')}"
+            )
         if "poison" in args.only:
             log("poison job")
             res["poison"] = _guarded(res["errors"], "poison job", poison, procs, db.url, plan)
 
-    res = run_bench("bench.reliability", args, argv, measure, out_prefix="reliability-", log=log, plan=asdict(plan),
-                    errors=[], sigkill=[], sigstop=[], reference=None, redis=None, sentinel=[], poison=None)
+    res = run_bench(
+        "bench.reliability",
+        args,
+        argv,
+        measure,
+        out_prefix="reliability-",
+        log=log,
+        plan=asdict(plan),
+        errors=[],
+        sigkill=[],
+        sigstop=[],
+        reference=None,
+        redis=None,
+        sentinel=[],
+        poison=None,
+    )
     if publish(res, args, render, INTRO, MARKER, log):
         return 130
     failed = [s for v, s in verdicts(res) if v != "PASS"]

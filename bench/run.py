@@ -22,9 +22,25 @@ from pathlib import Path
 import psutil
 import redis
 
-from bench.common import (ROOT, CpuMeter, Processes, RedisTarget, Stack, fmt as _f, int_list,
-                          job_stats, log, noise as _noise, parser, publish,
-                          quietest, run_bench, run_lines, table, tree)
+from bench.common import (
+    ROOT,
+    CpuMeter,
+    Processes,
+    RedisTarget,
+    Stack,
+    int_list,
+    job_stats,
+    log,
+    parser,
+    publish,
+    quietest,
+    run_bench,
+    run_lines,
+    table,
+    tree,
+)
+from bench.common import fmt as _f
+from bench.common import noise as _noise
 from bench.load import measure_levels, spawn_load
 
 DEFAULT_LEVELS = "1,2,5,10,32,64"
@@ -50,9 +66,15 @@ def memory(api_pid: int) -> list[dict]:
     for i, p in enumerate(tree(api_pid)):
         try:
             full = p.memory_full_info()
-            rows.append({"role": "master" if i == 0 else "worker", "pid": p.pid,
-                         "rss_mb": full.rss / 2**20, "uss_mb": full.uss / 2**20,
-                         "pss_mb": getattr(full, "pss", math.nan) / 2**20})
+            rows.append(
+                {
+                    "role": "master" if i == 0 else "worker",
+                    "pid": p.pid,
+                    "rss_mb": full.rss / 2**20,
+                    "uss_mb": full.uss / 2**20,
+                    "pss_mb": getattr(full, "pss", math.nan) / 2**20,
+                }
+            )
         except psutil.Error:
             pass
     return rows
@@ -63,10 +85,23 @@ def memory(api_pid: int) -> list[dict]:
 
 def phase_inproc(procs: Processes, model_dir: Path, args, outdir: Path) -> dict:
     out = outdir / "inproc.json"
-    argv = [sys.executable, "-m", "bench.inproc", "--model", str(model_dir),
-            "--batches", ",".join(map(str, args.levels)), "--reps", str(args.reps),
-            "--max-other-load", str(args.max_other_load), "--quiet-wait", str(args.quiet_wait),
-            "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.inproc",
+        "--model",
+        str(model_dir),
+        "--batches",
+        ",".join(map(str, args.levels)),
+        "--reps",
+        str(args.reps),
+        "--max-other-load",
+        str(args.max_other_load),
+        "--quiet-wait",
+        str(args.quiet_wait),
+        "--out",
+        str(out),
+    ]
     procs.run("inproc", argv)
     return json.loads(out.read_text())
 
@@ -78,8 +113,15 @@ def phase_api_hf(procs, redis_url, redis_pid, model_dir, args, levels) -> dict:
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     log(f"hf stack ready on port {st.port}; warming up")
     groups = {"api": st.api.pid, "worker": st.worker.pid, "redis": redis_pid}
-    rows = measure_levels("API", st.port, levels, args, groups, list(groups.values()),
-                          after=lambda res: {"jobs": job_stats(r, st.name, res["window_start"], res["window_end"])})
+    rows = measure_levels(
+        "API",
+        st.port,
+        levels,
+        args,
+        groups,
+        list(groups.values()),
+        after=lambda res: {"jobs": job_stats(r, st.name, res["window_start"], res["window_end"])},
+    )
     mem = memory(st.api.pid)
     st.stop()
     return {"levels": rows, "memory": mem, "api_workers": 1}
@@ -111,8 +153,13 @@ def phase_echo(procs, redis_url, redis_pid, model_dir, args, outdir) -> dict:
         for api_workers in args.echo_api_workers:
             st.start_api(api_workers)
             log(f"echo stack with GENQ_API_WORKERS={api_workers} ready on port {st.port}")
-            runs.append(quietest(lambda: echo_once(procs, st, redis_pid, api_workers, args, outdir), args,
-                                 [st.api.pid, st.worker.pid, redis_pid]))
+            runs.append(
+                quietest(
+                    lambda: echo_once(procs, st, redis_pid, api_workers, args, outdir),
+                    args,
+                    [st.api.pid, st.worker.pid, redis_pid],
+                )
+            )
             runs[-1]["memory"] = memory(st.api.pid)
             st.stop_api()
     finally:
@@ -128,14 +175,24 @@ def echo_once(procs, st, redis_pid, api_workers, args, outdir) -> dict:
     global _echo_attempts
     _echo_attempts += 1
     meter = CpuMeter({"api": st.api.pid, "worker": st.worker.pid, "redis": redis_pid})
-    run = spawn_load(procs, st.port, args.echo_clients, args.echo_procs, args.echo_duration, outdir,
-                     f"echo-{_echo_attempts}", on_window=meter)
+    run = spawn_load(
+        procs,
+        st.port,
+        args.echo_clients,
+        args.echo_procs,
+        args.echo_duration,
+        outdir,
+        f"echo-{_echo_attempts}",
+        on_window=meter,
+    )
     cpu = run["cpu"] = dict(meter.result)
     cpu["client"] = client_cpu = run.pop("client_cpu")
     cpu["other"] = max(0.0, cpu.get("other", 0.0) - client_cpu)
     run["api_workers"] = api_workers
-    log(f"echo GENQ_API_WORKERS={api_workers}: {run['rate']:.1f} jobs/s, p50 {run['p50'] * 1000:.1f} ms, "
-        f"client {client_cpu:.2f} cores, other load {cpu['other']:.2f} cores, errors {run['errors']}")
+    log(
+        f"echo GENQ_API_WORKERS={api_workers}: {run['rate']:.1f} jobs/s, p50 {run['p50'] * 1000:.1f} ms, "
+        f"client {client_cpu:.2f} cores, other load {cpu['other']:.2f} cores, errors {run['errors']}"
+    )
     return run
 
 
@@ -150,33 +207,49 @@ def targets(res: dict) -> list[tuple[str, str]]:
     lv = TARGET_THROUGHPUT_LEVEL
     if lv in api and lv in gen:
         ratio = api[lv]["rate"] / gen[lv]["req_s"]
-        out.append(("PASS" if ratio >= TARGET_THROUGHPUT_RATIO else "FAIL",
-                    f"throughput at {lv} clients: {api[lv]['rate']:.2f} req/s = {ratio:.2f} x in-process "
-                    f"generate at batch {lv} ({gen[lv]['req_s']:.2f} req/s); target >= {TARGET_THROUGHPUT_RATIO} x"))
+        out.append(
+            (
+                "PASS" if ratio >= TARGET_THROUGHPUT_RATIO else "FAIL",
+                f"throughput at {lv} clients: {api[lv]['rate']:.2f} req/s = {ratio:.2f} x in-process "
+                f"generate at batch {lv} ({gen[lv]['req_s']:.2f} req/s); target >= {TARGET_THROUGHPUT_RATIO} x",
+            )
+        )
     else:
         out.append(("N/A", f"throughput at {lv} clients: level {lv} not measured (--levels)"))
     if 1 in api and 1 in gen:
         ratio = api[1]["p50"] / gen[1]["latency_s"]
-        out.append(("PASS" if ratio <= TARGET_LATENCY_RATIO else "FAIL",
-                    f"latency at 1 client: p50 {api[1]['p50']:.3f} s = {ratio:.2f} x one in-process generate "
-                    f"at batch 1 ({gen[1]['latency_s']:.3f} s); target <= {TARGET_LATENCY_RATIO} x"))
+        out.append(
+            (
+                "PASS" if ratio <= TARGET_LATENCY_RATIO else "FAIL",
+                f"latency at 1 client: p50 {api[1]['p50']:.3f} s = {ratio:.2f} x one in-process generate "
+                f"at batch 1 ({gen[1]['latency_s']:.3f} s); target <= {TARGET_LATENCY_RATIO} x",
+            )
+        )
     else:
         out.append(("N/A", "latency at 1 client: level 1 not measured (--levels)"))
     echo = res["echo"]["runs"]
     if echo:
         best = max(echo, key=lambda r: r["rate"])
-        out.append(("PASS" if best["rate"] >= TARGET_ECHO_JOBS_S else "FAIL",
-                    f"echo engine through the API: {best['rate']:.0f} jobs/s (best, GENQ_API_WORKERS="
-                    f"{best['api_workers']}, {best['clients']} clients); target >= {TARGET_ECHO_JOBS_S:.0f} jobs/s"))
+        out.append(
+            (
+                "PASS" if best["rate"] >= TARGET_ECHO_JOBS_S else "FAIL",
+                f"echo engine through the API: {best['rate']:.0f} jobs/s (best, GENQ_API_WORKERS="
+                f"{best['api_workers']}, {best['clients']} clients); target >= {TARGET_ECHO_JOBS_S:.0f} jobs/s",
+            )
+        )
     mems = [("after the hf levels, GENQ_API_WORKERS=1", res["api"]["memory"])]
     mems += [(f"after echo, GENQ_API_WORKERS={r['api_workers']}", r["memory"]) for r in echo]
     workers = [(m["rss_mb"], when) for when, rows in mems for m in rows if m["role"] == "worker"]
     if workers:
         worst, when = max(workers)
         totals = ", ".join(f"{sum(m['rss_mb'] for m in rows):.0f} MB {when}" for when, rows in mems)
-        out.append(("PASS" if worst <= TARGET_API_RSS_MB else "FAIL",
-                    f"API memory: largest gunicorn worker {worst:.0f} MB resident ({when}); target <= "
-                    f"{TARGET_API_RSS_MB:.0f} MB per worker. Totals incl. master: {totals}"))
+        out.append(
+            (
+                "PASS" if worst <= TARGET_API_RSS_MB else "FAIL",
+                f"API memory: largest gunicorn worker {worst:.0f} MB resident ({when}); target <= "
+                f"{TARGET_API_RSS_MB:.0f} MB per worker. Totals incl. master: {totals}",
+            )
+        )
     return out
 
 
@@ -185,46 +258,144 @@ def render(res: dict) -> str:
     gen = {r["batch"]: r for r in inproc["generate"]}
     eng = {r["batch"]: r for r in inproc["engine"]}
     L = [MARKER, "", "## Latest run", "", *run_lines(res)]
-    L.append(f"- Software: Python {m['python']}, torch {inproc['torch']} ({inproc['torch_threads']} threads), "
-             f"transformers {inproc['transformers']}, Redis {res['redis_version']} ({res['redis_kind']})")
-    L.append(f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
-             f"parameters, float32); one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}, API under gunicorn "
-             f"({res['api_server']}); >= {a['duration']:g} s and >= {a['min_requests']} requests per client per "
-             f"level; in-process: median of {a['reps']} runs; echo: {a['echo_duration']:g} s")
+    L.append(
+        f"- Software: Python {m['python']}, torch {inproc['torch']} ({inproc['torch_threads']} threads), "
+        f"transformers {inproc['transformers']}, Redis {res['redis_version']} ({res['redis_kind']})"
+    )
+    L.append(
+        f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
+        f"parameters, float32); one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}, API under gunicorn "
+        f"({res['api_server']}); >= {a['duration']:g} s and >= {a['min_requests']} requests per client per "
+        f"level; in-process: median of {a['reps']} runs; echo: {a['echo_duration']:g} s"
+    )
     L += ["", "## Targets", ""] + [f"- **{v}** {s}" for v, s in targets(res)]
     L += ["", "## 1. API path: `POST /basic_generate` through the queue to the hf worker", ""]
-    L.append(table(
-        ["clients", "requests", "req/s", "p50 s", "p90 s", "p99 s", "mean batch", "queue wait s", "in worker s",
-         "API cores", "worker cores", "errors", "other load"],
-        [[r["clients"], r["requests"] if not r["capped"] else f"{r['requests']}*", _f(r["rate"]), _f(r["p50"], 3),
-          _f(r["p90"], 3), _f(r["p99"], 3), _f(r["jobs"]["batch_size_mean"], 1), _f(r["jobs"]["queued_s"], 3),
-          _f(r["jobs"]["run_s"], 3), _f(r["cpu"].get("api")), _f(r["cpu"].get("worker")), r["errors"], _noise(r)]
-         for r in api["levels"]]))
+    L.append(
+        table(
+            [
+                "clients",
+                "requests",
+                "req/s",
+                "p50 s",
+                "p90 s",
+                "p99 s",
+                "mean batch",
+                "queue wait s",
+                "in worker s",
+                "API cores",
+                "worker cores",
+                "errors",
+                "other load",
+            ],
+            [
+                [
+                    r["clients"],
+                    r["requests"] if not r["capped"] else f"{r['requests']}*",
+                    _f(r["rate"]),
+                    _f(r["p50"], 3),
+                    _f(r["p90"], 3),
+                    _f(r["p99"], 3),
+                    _f(r["jobs"]["batch_size_mean"], 1),
+                    _f(r["jobs"]["queued_s"], 3),
+                    _f(r["jobs"]["run_s"], 3),
+                    _f(r["cpu"].get("api")),
+                    _f(r["cpu"].get("worker")),
+                    r["errors"],
+                    _noise(r),
+                ]
+                for r in api["levels"]
+            ],
+        )
+    )
     L += ["", "## 2. In process (no queue, no HTTP) beside the API", ""]
     rows = []
     for b in sorted(gen):
         g, e, r = gen[b], eng.get(b), next((x for x in api["levels"] if x["clients"] == b), None)
-        rows.append([b, _f(g["req_s"]), _f(e["req_s"]) if e else "n/a", _f(r["rate"]) if r else "n/a",
-                     _f(r["rate"] / g["req_s"]) if r else "n/a", _f(r["rate"] / e["req_s"]) if r and e else "n/a",
-                     _f(g["latency_s"], 3), _f(e["latency_s"], 3) if e else "n/a", _f(g["other_load"])])
-    L.append(table(["batch = clients", "generate req/s", "HFEngine req/s", "API req/s", "API / generate",
-                    "API / HFEngine", "generate s", "HFEngine s", "other load"], rows))
+        rows.append(
+            [
+                b,
+                _f(g["req_s"]),
+                _f(e["req_s"]) if e else "n/a",
+                _f(r["rate"]) if r else "n/a",
+                _f(r["rate"] / g["req_s"]) if r else "n/a",
+                _f(r["rate"] / e["req_s"]) if r and e else "n/a",
+                _f(g["latency_s"], 3),
+                _f(e["latency_s"], 3) if e else "n/a",
+                _f(g["other_load"]),
+            ]
+        )
+    L.append(
+        table(
+            [
+                "batch = clients",
+                "generate req/s",
+                "HFEngine req/s",
+                "API req/s",
+                "API / generate",
+                "API / HFEngine",
+                "generate s",
+                "HFEngine s",
+                "other load",
+            ],
+            rows,
+        )
+    )
     L.append("")
-    L.append("*generate*: padded `model.generate` of the whole batch; *HFEngine*: our engine alone, the batch "
-             "submitted at once (bench/inproc.py).")
+    L.append(
+        "*generate*: padded `model.generate` of the whole batch; *HFEngine*: our engine alone, the batch "
+        "submitted at once (bench/inproc.py)."
+    )
     L += ["", "## 3. Echo engine through the API (no model)", ""]
-    L.append(table(
-        ["GENQ_API_WORKERS", "clients", "jobs/s", "p50 ms", "p99 ms", "API cores", "worker cores", "Redis cores",
-         "client cores", "errors", "other load"],
-        [[r["api_workers"], r["clients"], _f(r["rate"], 1), _f(r["p50"] * 1000, 1), _f(r["p99"] * 1000, 1),
-          _f(r["cpu"].get("api")), _f(r["cpu"].get("worker")), _f(r["cpu"].get("redis")), _f(r["cpu"].get("client")),
-          r["errors"], _noise(r)] for r in echo["runs"]]))
+    L.append(
+        table(
+            [
+                "GENQ_API_WORKERS",
+                "clients",
+                "jobs/s",
+                "p50 ms",
+                "p99 ms",
+                "API cores",
+                "worker cores",
+                "Redis cores",
+                "client cores",
+                "errors",
+                "other load",
+            ],
+            [
+                [
+                    r["api_workers"],
+                    r["clients"],
+                    _f(r["rate"], 1),
+                    _f(r["p50"] * 1000, 1),
+                    _f(r["p99"] * 1000, 1),
+                    _f(r["cpu"].get("api")),
+                    _f(r["cpu"].get("worker")),
+                    _f(r["cpu"].get("redis")),
+                    _f(r["cpu"].get("client")),
+                    r["errors"],
+                    _noise(r),
+                ]
+                for r in echo["runs"]
+            ],
+        )
+    )
     L += ["", "## 4. API memory", ""]
     mems = [("after the hf levels, GENQ_API_WORKERS=1", api["memory"])]
     mems += [(f"after echo, GENQ_API_WORKERS={r['api_workers']}", r["memory"]) for r in echo["runs"]]
-    L.append(table(["when", "largest worker RSS MB", "total RSS MB", "total PSS MB"],
-                   [[when, _f(max((x["rss_mb"] for x in ms if x["role"] == "worker"), default=None), 1),
-                     _f(sum(x["rss_mb"] for x in ms), 1), _f(sum(x["pss_mb"] for x in ms), 1)] for when, ms in mems]))
+    L.append(
+        table(
+            ["when", "largest worker RSS MB", "total RSS MB", "total PSS MB"],
+            [
+                [
+                    when,
+                    _f(max((x["rss_mb"] for x in ms if x["role"] == "worker"), default=None), 1),
+                    _f(sum(x["rss_mb"] for x in ms), 1),
+                    _f(sum(x["pss_mb"] for x in ms), 1),
+                ]
+                for when, ms in mems
+            ],
+        )
+    )
     L.append("")
     return "\n".join(L)
 
@@ -235,13 +406,21 @@ def render(res: dict) -> str:
 def parse_args(argv: list[str] | None):
     ap = parser("bench.run", __doc__, levels=DEFAULT_LEVELS, out="benchmarks.md", quiet_wait=True)
     ap.add_argument("--reps", type=int, default=3, help="timed in-process runs per batch size (default 3)")
-    ap.add_argument("--echo-duration", type=float, default=None,
-                    help="seconds of the echo run (default 15, or --duration if that is shorter)")
+    ap.add_argument(
+        "--echo-duration",
+        type=float,
+        default=None,
+        help="seconds of the echo run (default 15, or --duration if that is shorter)",
+    )
     ap.add_argument("--echo-clients", type=int, default=32)
     ap.add_argument("--echo-procs", type=int, default=4, help="load-generator processes for echo (default 4)")
     ap.add_argument("--echo-api-workers", default="1,2", help="GENQ_API_WORKERS values to try with echo")
-    ap.add_argument("--worker-threads", type=int, default=None,
-                    help="OMP_NUM_THREADS for the hf worker (default: unset, torch uses one per core)")
+    ap.add_argument(
+        "--worker-threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for the hf worker (default: unset, torch uses one per core)",
+    )
     args = ap.parse_args(argv)
     args.levels = int_list(ap, args.levels)
     args.echo_api_workers = int_list(ap, args.echo_api_workers, "--echo-api-workers")
@@ -261,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         res["redis_kind"], res["redis_version"] = db.kind, db.version
         log(f"API phase at levels {args.levels}, {args.duration:g} s each")
         res["api"] = phase_api_hf(procs, db.url, db.pid, model_dir, args, args.levels)
-        log(f"echo phase: {args.echo_clients} clients, {args.echo_duration:g} s, GENQ_API_WORKERS {args.echo_api_workers}")
+        log(
+            f"echo phase: {args.echo_clients} clients, {args.echo_duration:g} s, GENQ_API_WORKERS {args.echo_api_workers}"
+        )
         res["echo"] = phase_echo(procs, db.url, db.pid, model_dir, args, outdir)
 
     res = run_bench("bench.run", args, argv, measure, api_server=api_server_desc())

@@ -23,9 +23,27 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import (MAX_NEW_TOKENS, PROMPTS, Processes, RedisTarget, Stack, fmt as _f, int_list, make_log,
-                          median, ms as _ms, noise as _noise, own_cpu_s, parser, percentile, run_bench, run_lines,
-                          main_with_render, system_busy_s, table)
+from bench.common import (
+    MAX_NEW_TOKENS,
+    PROMPTS,
+    Processes,
+    RedisTarget,
+    Stack,
+    int_list,
+    main_with_render,
+    make_log,
+    median,
+    own_cpu_s,
+    parser,
+    percentile,
+    run_bench,
+    run_lines,
+    system_busy_s,
+    table,
+)
+from bench.common import fmt as _f
+from bench.common import ms as _ms
+from bench.common import noise as _noise
 from bench.load import completion_bodies, generate_bodies, measure_levels, sse_request, sse_stats
 
 DEFAULT_LEVELS = "1,8,32"
@@ -68,9 +86,12 @@ def inproc_child(model_dir: str, reps: int, out_path: str) -> int:
         t = time.perf_counter() - t0
         return r, t, max(0.0, (system_busy_s() - b0) - (own_cpu_s() - c0))
 
-    res: dict = {"torch": torch.__version__, "transformers": transformers.__version__,
-                 "torch_threads": torch.get_num_threads(),
-                 "prompt_tokens": [int(e.input_ids.shape[1]) for e in encs]}
+    res: dict = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "prompt_tokens": [int(e.input_ids.shape[1]) for e in encs],
+    }
     with torch.inference_mode():
         for e in encs[:4]:  # warm-up
             prefill(e)
@@ -98,16 +119,18 @@ def inproc_child(model_dir: str, reps: int, out_path: str) -> int:
                 nxt = o.logits[:, -1, :].argmax(-1)
                 steps.append(time.perf_counter() - t0)
                 cache = o.past_key_values
-    res.update({
-        "prefill_samples": len(pre),
-        "prefill_median_s": median(pre),
-        "prefill_p10_s": percentile(pre, 10),
-        "prefill_p90_s": percentile(pre, 90),
-        "tokenize_median_s": median(tok_t),
-        "decode_step_median_s": median(steps),
-        "decode_step_p90_s": percentile(steps, 90),
-        "other_load": other_s / busy_t if busy_t else math.nan,
-    })
+    res.update(
+        {
+            "prefill_samples": len(pre),
+            "prefill_median_s": median(pre),
+            "prefill_p10_s": percentile(pre, 10),
+            "prefill_p90_s": percentile(pre, 90),
+            "tokenize_median_s": median(tok_t),
+            "decode_step_median_s": median(steps),
+            "decode_step_p90_s": percentile(steps, 90),
+            "other_load": other_s / busy_t if busy_t else math.nan,
+        }
+    )
     Path(out_path).write_text(json.dumps(res))
     return 0
 
@@ -128,7 +151,7 @@ def ttft_parts(r, timing: list[tuple[str, float, float]]) -> dict:
     replies = pipe.execute()
     parts: dict[str, list[float]] = {"api_submit": [], "queue": [], "worker_first": [], "deliver": []}
     firsts: list[float] = []
-    for (job_id, w_post, w_first), (created, started), first in zip(timing, replies[0::2], replies[1::2]):
+    for (_, w_post, w_first), (created, started), first in zip(timing, replies[0::2], replies[1::2]):
         if not (created and started and first and w_first):
             continue
         created, started = float(created), float(started)
@@ -150,12 +173,20 @@ def ttft_parts(r, timing: list[tuple[str, float, float]]) -> dict:
 
 def parse_args(argv):
     ap = parser("bench.stream", __doc__, levels=DEFAULT_LEVELS, out="benchmarks-streaming.md", render=True)
-    ap.add_argument("--endpoint", choices=["jobs", "completions"], default="jobs",
-                    help="jobs: POST /v1/jobs + GET /v1/jobs/<id>/stream (default); "
-                    "completions: POST /v1/completions with stream: true")
+    ap.add_argument(
+        "--endpoint",
+        choices=["jobs", "completions"],
+        default="jobs",
+        help="jobs: POST /v1/jobs + GET /v1/jobs/<id>/stream (default); "
+        "completions: POST /v1/completions with stream: true",
+    )
     ap.add_argument("--api-workers", type=int, default=1, help="GENQ_API_WORKERS (default 1)")
-    ap.add_argument("--prefill-reps", type=int, default=2,
-                    help="in-process prefill: passes over the 16 prompts (default 2: 32 samples)")
+    ap.add_argument(
+        "--prefill-reps",
+        type=int,
+        default=2,
+        help="in-process prefill: passes over the 16 prompts (default 2: 32 samples)",
+    )
     ap.add_argument("--inproc-child", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.levels = int_list(ap, args.levels)
@@ -167,11 +198,24 @@ def measure(args, procs: Processes, res: dict, outdir: Path) -> None:
 
     log("in-process prefill (nothing else of the benchmark runs)")
     out = outdir / "inproc.json"
-    procs.run("inproc", [sys.executable, "-m", "bench.stream", "--prefill-reps", str(args.prefill_reps),
-                         "--inproc-child", res["model_dir_abs"], str(out)])
+    procs.run(
+        "inproc",
+        [
+            sys.executable,
+            "-m",
+            "bench.stream",
+            "--prefill-reps",
+            str(args.prefill_reps),
+            "--inproc-child",
+            res["model_dir_abs"],
+            str(out),
+        ],
+    )
     res["inproc"] = ip = json.loads(out.read_text())
-    log(f"prefill median {ip['prefill_median_s'] * 1000:.1f} ms, decode step at batch 1 "
-        f"{ip['decode_step_median_s'] * 1000:.1f} ms, other load {ip['other_load']:.2f} cores")
+    log(
+        f"prefill median {ip['prefill_median_s'] * 1000:.1f} ms, decode step at batch 1 "
+        f"{ip['decode_step_median_s'] * 1000:.1f} ms, other load {ip['other_load']:.2f} cores"
+    )
     db = RedisTarget(procs)
     res["redis_kind"], res["redis_version"] = db.kind, db.version
     st = Stack(procs, db.url, res["model_dir_abs"], "hf", "stream", MAX_BATCH_SIZE)
@@ -181,17 +225,32 @@ def measure(args, procs: Processes, res: dict, outdir: Path) -> None:
     r = redis.Redis.from_url(db.url, decode_responses=True)
     groups = {"api": st.api.pid, "worker": st.worker.pid, "redis": db.pid}
     bodies = generate_bodies() if args.endpoint == "jobs" else completion_bodies(st.name, stream=True)
-    res["levels"] = measure_levels("stream", st.port, args.levels, args, groups, bodies=bodies,
-                                   request=sse_request(args.endpoint), summarize=sse_stats, log=log,
-                                   after=lambda x: {"parts": ttft_parts(r, x.pop("_timing"))})
+    res["levels"] = measure_levels(
+        "stream",
+        st.port,
+        args.levels,
+        args,
+        groups,
+        bodies=bodies,
+        request=sse_request(args.endpoint),
+        summarize=sse_stats,
+        log=log,
+        after=lambda x: {"parts": ttft_parts(r, x.pop("_timing"))},
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.inproc_child:
         return inproc_child(args.inproc_child[0], args.prefill_reps, args.inproc_child[1])
-    return main_with_render(args, lambda: run_bench("bench.stream", args, argv, lambda *a: measure(args, *a),
-                                                    out_prefix="stream-", log=log), render, INTRO, MARKER, log)
+    return main_with_render(
+        args,
+        lambda: run_bench("bench.stream", args, argv, lambda *a: measure(args, *a), out_prefix="stream-", log=log),
+        render,
+        INTRO,
+        MARKER,
+        log,
+    )
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -204,47 +263,120 @@ def target(res: dict) -> tuple[str, str]:
         return "N/A", "TTFT at 1 stream: level 1 not measured (--levels)"
     limit = ip["prefill_median_s"] + TARGET_TTFT_MARGIN_S
     ok = one["ttft_p50"] <= limit
-    return ("PASS" if ok else "FAIL",
-            f"TTFT at 1 stream: p50 {one['ttft_p50'] * 1000:.1f} ms; in-process prefill "
-            f"{ip['prefill_median_s'] * 1000:.1f} ms + 50 ms = {limit * 1000:.1f} ms "
-            f"({'within' if ok else 'over'} by {abs(limit - one['ttft_p50']) * 1000:.1f} ms)")
+    return (
+        "PASS" if ok else "FAIL",
+        f"TTFT at 1 stream: p50 {one['ttft_p50'] * 1000:.1f} ms; in-process prefill "
+        f"{ip['prefill_median_s'] * 1000:.1f} ms + 50 ms = {limit * 1000:.1f} ms "
+        f"({'within' if ok else 'over'} by {abs(limit - one['ttft_p50']) * 1000:.1f} ms)",
+    )
 
 
 def render(res: dict) -> str:
     m, ip, rows, a = res["machine"], res["inproc"], res["levels"], res["args"]
-    endpoint = ("`POST /v1/jobs`, then `GET /v1/jobs/<id>/stream` on the same connection" if a["endpoint"] == "jobs"
-                else "`POST /v1/completions` with `\"stream\": true`")
+    endpoint = (
+        "`POST /v1/jobs`, then `GET /v1/jobs/<id>/stream` on the same connection"
+        if a["endpoint"] == "jobs"
+        else '`POST /v1/completions` with `"stream": true`'
+    )
     L = [MARKER, "", "## Latest run", "", *run_lines(res)]
-    L.append(f"- Software: Python {m['python']}, torch {ip['torch']} ({ip['torch_threads']} threads), transformers "
-             f"{ip['transformers']}, Redis {res['redis_version']} ({res['redis_kind']})")
-    L.append(f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
-             f"parameters); one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}, GENQ_API_WORKERS={a['api_workers']}")
-    L.append(f"- Requests: {endpoint}, {MAX_NEW_TOKENS} tokens, greedy, `ignore_eos`; >= {a['duration']:g} s and "
-             f">= {a['min_requests']} requests per client per level. TTFT: POST sent -> first token event; ITL: gaps "
-             "between a request's token events, pooled")
+    L.append(
+        f"- Software: Python {m['python']}, torch {ip['torch']} ({ip['torch_threads']} threads), transformers "
+        f"{ip['transformers']}, Redis {res['redis_version']} ({res['redis_kind']})"
+    )
+    L.append(
+        f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
+        f"parameters); one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}, GENQ_API_WORKERS={a['api_workers']}"
+    )
+    L.append(
+        f"- Requests: {endpoint}, {MAX_NEW_TOKENS} tokens, greedy, `ignore_eos`; >= {a['duration']:g} s and "
+        f">= {a['min_requests']} requests per client per level. TTFT: POST sent -> first token event; ITL: gaps "
+        "between a request's token events, pooled"
+    )
     v, s = target(res)
     L += ["", "## Target", "", f"- **{v}** {s}; target: TTFT p50 at 1 stream <= in-process prefill + 50 ms"]
     L += ["", "## Streaming through the API", ""]
-    L.append(table(
-        ["streams", "requests", "req/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT text p50 ms", "ITL p50 ms",
-         "ITL p90 ms", "ITL p99 ms", "e2e p50 s", "errors", "other load"],
-        [[r["clients"], r["requests"] if not r["capped"] else f"{r['requests']}*", _f(r["rate"]), _ms(r["ttft_p50"]),
-          _ms(r["ttft_p90"]), _ms(r["ttft_text_p50"]), _ms(r["itl_p50"]), _ms(r["itl_p90"]), _ms(r["itl_p99"]),
-          _f(r["p50"], 3), r["errors"], _noise(r)] for r in rows]))
+    L.append(
+        table(
+            [
+                "streams",
+                "requests",
+                "req/s",
+                "TTFT p50 ms",
+                "TTFT p90 ms",
+                "TTFT text p50 ms",
+                "ITL p50 ms",
+                "ITL p90 ms",
+                "ITL p99 ms",
+                "e2e p50 s",
+                "errors",
+                "other load",
+            ],
+            [
+                [
+                    r["clients"],
+                    r["requests"] if not r["capped"] else f"{r['requests']}*",
+                    _f(r["rate"]),
+                    _ms(r["ttft_p50"]),
+                    _ms(r["ttft_p90"]),
+                    _ms(r["ttft_text_p50"]),
+                    _ms(r["itl_p50"]),
+                    _ms(r["itl_p90"]),
+                    _ms(r["itl_p99"]),
+                    _f(r["p50"], 3),
+                    r["errors"],
+                    _noise(r),
+                ]
+                for r in rows
+            ],
+        )
+    )
     L += ["", "## Where the time to first token goes", ""]
-    prow = [[r["clients"], _ms(r["ttft_p50"]), _ms(p["api_submit"]), _ms(p["queue"]), _ms(p["worker_first"]),
-             _ms(p["deliver"]), p["n"]] for r in rows if (p := r.get("parts") or {}).get("n")]
-    L.append(table(["streams", "TTFT p50 ms", "POST -> job created", "created -> running",
-                    "running -> 1st token in Redis", "Redis -> client", "jobs"], prow) if prow
-             else "(n/a: `--endpoint completions` does not expose job ids.)")
+    prow = [
+        [
+            r["clients"],
+            _ms(r["ttft_p50"]),
+            _ms(p["api_submit"]),
+            _ms(p["queue"]),
+            _ms(p["worker_first"]),
+            _ms(p["deliver"]),
+            p["n"],
+        ]
+        for r in rows
+        if (p := r.get("parts") or {}).get("n")
+    ]
+    L.append(
+        table(
+            [
+                "streams",
+                "TTFT p50 ms",
+                "POST -> job created",
+                "created -> running",
+                "running -> 1st token in Redis",
+                "Redis -> client",
+                "jobs",
+            ],
+            prow,
+        )
+        if prow
+        else "(n/a: `--endpoint completions` does not expose job ids.)"
+    )
     L.append("")
     L.append("Medians (ms) from the job records (`created`, `started`) and the Redis Stream id of the first token.")
     L += ["", "## In-process reference (same checkpoint, transformers, no server)", ""]
-    L.append(table(["what", "median ms", "p90 ms"],
-                   [["prefill of one prompt + argmax", _ms(ip["prefill_median_s"], 2), _ms(ip["prefill_p90_s"], 2)],
-                    ["decode step at batch 1 + argmax", _ms(ip["decode_step_median_s"], 2),
-                     _ms(ip["decode_step_p90_s"], 2)],
-                    ["tokenizing one prompt", _ms(ip["tokenize_median_s"], 2), ""]]))
+    L.append(
+        table(
+            ["what", "median ms", "p90 ms"],
+            [
+                ["prefill of one prompt + argmax", _ms(ip["prefill_median_s"], 2), _ms(ip["prefill_p90_s"], 2)],
+                [
+                    "decode step at batch 1 + argmax",
+                    _ms(ip["decode_step_median_s"], 2),
+                    _ms(ip["decode_step_p90_s"], 2),
+                ],
+                ["tokenizing one prompt", _ms(ip["tokenize_median_s"], 2), ""],
+            ],
+        )
+    )
     L.append("")
     return "\n".join(L)
 

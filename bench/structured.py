@@ -29,16 +29,22 @@ from worker.engines.logits import RowProcessors, sample
 ROWS = 32
 SCHEMA = {
     "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "color": {"enum": ["red", "green", "blue"]}, "name": {"type": "string", "maxLength": 12}},
-    "required": ["ok", "n", "color", "name"], "additionalProperties": False,
-}  # fmt: skip
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "color": {"enum": ["red", "green", "blue"]},
+        "name": {"type": "string", "maxLength": 12},
+    },
+    "required": ["ok", "n", "color", "name"],
+    "additionalProperties": False,
+}
 
 
 def batch(tok, vocab: int, constrained: int) -> tuple[list[SamplingParams], RowProcessors | None]:
     so = StructuredOutput(json_schema=json.dumps(SCHEMA))
-    params = [SamplingParams(temperature=1.0, seed=i, structured_outputs=so if i < constrained else None)
-              for i in range(ROWS)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=1.0, seed=i, structured_outputs=so if i < constrained else None) for i in range(ROWS)
+    ]
     procs = RowProcessors.build(params, [[2]] * ROWS, [0] * ROWS, tok.eos_token_id, vocab, tokenizer=tok)
     return params, procs
 
@@ -69,7 +75,7 @@ def main() -> None:
         logits = torch.randn(ROWS, vocab)
         times: dict[int, list[float]] = {k: [] for k in configs}
         t0 = time.perf_counter()
-        for k, (params, procs) in configs.items():  # compile and warm up
+        for params, procs in configs.values():  # compile and warm up
             step(params, procs, gens, logits)
         compile_s = time.perf_counter() - t0
         for _ in range(args.rounds):
@@ -82,7 +88,9 @@ def main() -> None:
         print(f"vocab {vocab} (first steps, compiling the schema once: {compile_s * 1e3:.1f} ms)")
         for k, ts in times.items():
             med = statistics.median(ts)
-            print(f"  {k:2d} of {ROWS} rows constrained: {med * 1e3:7.3f} ms/step  ({med / base:5.2f}x the unconstrained)")
+            print(
+                f"  {k:2d} of {ROWS} rows constrained: {med * 1e3:7.3f} ms/step  ({med / base:5.2f}x the unconstrained)"
+            )
 
 
 if __name__ == "__main__":

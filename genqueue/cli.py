@@ -124,8 +124,13 @@ def cmd_chat(client: Client, args: argparse.Namespace) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": message}
     ]
-    params: dict[str, Any] = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                              "seed": args.seed, **(args.param or {})}
+    params: dict[str, Any] = {
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        **(args.param or {}),
+    }
     answer = client.chat_completion(messages, args.max_wait, **params)
     if args.json:
         _print_json(answer)
@@ -249,18 +254,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
-        prog="genq", description="Submit, follow and cancel genqueue jobs; run batches.",
-        epilog=EPILOG, formatter_class=fmt, parents=[common],
-    )  # fmt: skip
+        prog="genq",
+        description="Submit, follow and cancel genqueue jobs; run batches.",
+        epilog=EPILOG,
+        formatter_class=fmt,
+        parents=[common],
+    )
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     p = sub.add_parser(
-        "submit", parents=[common], epilog=EPILOG, formatter_class=fmt,
+        "submit",
+        parents=[common],
+        epilog=EPILOG,
+        formatter_class=fmt,
         help="queue a job; print its id, or with --wait its text, or with --stream its tokens",
-        description=_wrap("Queue a job (POST /v1/jobs). Prints its id; with --wait the completion once it "
-        "has ended; with --stream its tokens as they are generated (resuming after a dropped "
-        "connection). Ctrl-C during --wait/--stream cancels the job."),
-    )  # fmt: skip
+        description=_wrap(
+            "Queue a job (POST /v1/jobs). Prints its id; with --wait the completion once it "
+            "has ended; with --stream its tokens as they are generated (resuming after a dropped "
+            "connection). Ctrl-C during --wait/--stream cancels the job."
+        ),
+    )
     p.add_argument("prompt", help='the prompt ("-": read it from stdin)')
     p.add_argument("--model", help="a served model (default: the API's)")
     p.add_argument("--max-new-tokens", type=int, metavar="N")
@@ -270,9 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeatable)")
     p.add_argument(
-        "--param", type=_key_value, action=_Params, metavar="NAME=VALUE",
+        "--param",
+        type=_key_value,
+        action=_Params,
+        metavar="NAME=VALUE",
         help="any other job field (VALUE as JSON, else a string), e.g. --param ignore_eos=true",
-    )  # fmt: skip
+    )
     how = p.add_mutually_exclusive_group()
     how.add_argument("--wait", action="store_true", help="wait for the job and print its text")
     how.add_argument("--stream", action="store_true", help="print its tokens as they come")
@@ -281,10 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_submit)
 
     p = sub.add_parser(
-        "chat", parents=[common], epilog=EPILOG, formatter_class=fmt,
+        "chat",
+        parents=[common],
+        epilog=EPILOG,
+        formatter_class=fmt,
         help="send a message to the model's chat template; print the reply",
-        description=_wrap("Send one user message (after --system, if given) to POST /v1/chat/completions, "
-                          "wait, and print the assistant's reply (or with --json the whole answer)."),
+        description=_wrap(
+            "Send one user message (after --system, if given) to POST /v1/chat/completions, "
+            "wait, and print the assistant's reply (or with --json the whole answer)."
+        ),
     )
     p.add_argument("message", help='the user\'s message ("-": read it from stdin)')
     p.add_argument("--system", metavar="TEXT", help="a system message before it")
@@ -293,7 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, metavar="T", help="OpenAI's default is 1; 0 is greedy")
     p.add_argument("--seed", type=int)
     p.add_argument(
-        "--param", type=_key_value, action=_Params, metavar="NAME=VALUE",
+        "--param",
+        type=_key_value,
+        action=_Params,
+        metavar="NAME=VALUE",
         help="any other field of the request (VALUE as JSON, else a string), e.g. --param top_p=0.9",
     )
     p.add_argument("--max-wait", type=float, metavar="S", help="give up after S seconds")
@@ -301,41 +325,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_chat)
 
     p = sub.add_parser(
-        "get", parents=[common], epilog=EPILOG, formatter_class=fmt, help="print a job (JSON)",
+        "get",
+        parents=[common],
+        epilog=EPILOG,
+        formatter_class=fmt,
+        help="print a job (JSON)",
         description=_wrap("Print a job as JSON (GET /v1/jobs/ID). Exit 1 if it failed, was cancelled or expired."),
-    )  # fmt: skip
+    )
     p.add_argument("id")
     p.add_argument("--wait", type=float, metavar="S", help="first wait up to S seconds for it to end (as GET ?wait=S)")
     p.set_defaults(run=cmd_get)
 
     p = sub.add_parser(
-        "stream", parents=[common], epilog=EPILOG, formatter_class=fmt,
+        "stream",
+        parents=[common],
+        epilog=EPILOG,
+        formatter_class=fmt,
         help="print a job's tokens as they come (re-attach to a running job)",
-        description=_wrap("Print the tokens of a job (GET /v1/jobs/ID/stream): those generated so far, then "
-        "the rest as they come, resuming after a dropped connection. Works for a queued, running or "
-        "finished job (a replay). Exit 1 if it failed, was cancelled or expired."),
-    )  # fmt: skip
+        description=_wrap(
+            "Print the tokens of a job (GET /v1/jobs/ID/stream): those generated so far, then "
+            "the rest as they come, resuming after a dropped connection. Works for a queued, running or "
+            "finished job (a replay). Exit 1 if it failed, was cancelled or expired."
+        ),
+    )
     p.add_argument("id")
     p.add_argument("--max-wait", type=float, metavar="S", help="give up after S seconds (exit 3; the job goes on)")
     p.set_defaults(run=cmd_stream)
 
     p = sub.add_parser(
-        "cancel", parents=[common], epilog=EPILOG, formatter_class=fmt, help="cancel a queued or running job",
-        description=_wrap("Cancel a queued or running job (POST /v1/jobs/ID/cancel) and print it. "
-        "Exit 2 if it had already ended (409)."),
-    )  # fmt: skip
+        "cancel",
+        parents=[common],
+        epilog=EPILOG,
+        formatter_class=fmt,
+        help="cancel a queued or running job",
+        description=_wrap(
+            "Cancel a queued or running job (POST /v1/jobs/ID/cancel) and print it. "
+            "Exit 2 if it had already ended (409)."
+        ),
+    )
     p.add_argument("id")
     p.set_defaults(run=cmd_cancel)
 
     p = sub.add_parser(
-        "batch", parents=[common], epilog=EPILOG, formatter_class=fmt,
+        "batch",
+        parents=[common],
+        epilog=EPILOG,
+        formatter_class=fmt,
         help="run a JSONL file of OpenAI batch requests, with a progress bar",
-        description=_wrap("Upload IN (OpenAI batch lines: {custom_id, method, url, body}) with POST /v1/files, "
-        "create a batch for /v1/completions, show its progress (done/total, failed, rate, ETA) on "
-        "stderr until it ends, then write its output lines ({id, custom_id, response, error}) in "
-        "input order. Exit 0 if every line succeeded, 1 if some failed or the batch did. "
-        "Ctrl-C cancels the batch."),
-    )  # fmt: skip
+        description=_wrap(
+            "Upload IN (OpenAI batch lines: {custom_id, method, url, body}) with POST /v1/files, "
+            "create a batch for /v1/completions, show its progress (done/total, failed, rate, ETA) on "
+            "stderr until it ends, then write its output lines ({id, custom_id, response, error}) in "
+            "input order. Exit 0 if every line succeeded, 1 if some failed or the batch did. "
+            "Ctrl-C cancels the batch."
+        ),
+    )
     p.add_argument("input", metavar="IN", help="the input JSONL file")
     p.add_argument("-o", "--output", default="-", metavar="OUT", help="where to write the output (default: stdout)")
     p.add_argument("--poll", type=float, default=1.0, metavar="S", help="seconds between progress polls (default 1)")
@@ -344,10 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_batch)
 
     p = sub.add_parser(
-        "workers", parents=[common], epilog=EPILOG, formatter_class=fmt,
+        "workers",
+        parents=[common],
+        epilog=EPILOG,
+        formatter_class=fmt,
         help="the live workers serving the default model (from /readyz)",
         description=_wrap("List the live workers that serve the API's default model (GET /readyz). Exit 3 if none."),
-    )  # fmt: skip
+    )
     p.add_argument("--json", action="store_true", help="print /readyz's JSON")
     p.set_defaults(run=cmd_workers)
     return parser

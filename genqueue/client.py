@@ -18,8 +18,9 @@ import os
 import re
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import httpx
 
@@ -77,7 +78,7 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -134,9 +135,12 @@ class Client:
                 return job
             if left is not None and left <= step:
                 raise WaitTimeout(
-                    None, "wait_timeout", f"job {job_id} is still {job.get('status')} after {timeout:g} s",
-                    job_id=job_id, job=job,
-                )  # fmt: skip
+                    None,
+                    "wait_timeout",
+                    f"job {job_id} is still {job.get('status')} after {timeout:g} s",
+                    job_id=job_id,
+                    job=job,
+                )
 
     def cancel(self, job_id: str) -> dict:
         """Cancel a queued or running job (POST /v1/jobs/{id}/cancel); returns the job.
@@ -169,7 +173,7 @@ class Client:
         limit = httpx.Timeout(self.timeout, read=timeout)
         return self._json("POST", "/v1/chat/completions", json=body, timeout=limit)
 
-    def stream(self, job_id: str, last_event_id: str | int | None = None) -> "TokenStream":
+    def stream(self, job_id: str, last_event_id: str | int | None = None) -> TokenStream:
         """The job's tokens as they are generated (GET /v1/jobs/{id}/stream, SSE): an iterator
         of `str`, which reconnects by itself with `Last-Event-ID` after a dropped connection
         (no gap, no duplicate). If the job started over on another worker it yields a
@@ -322,9 +326,7 @@ class Client:
                 for line in results:
                     fh.write(json.dumps(line, ensure_ascii=False) + "\n")
         if batch["status"] != "completed":
-            raise errors.BatchError(
-                None, batch["status"], _batch_problem(batch), batch=batch, results=results
-            )
+            raise errors.BatchError(None, batch["status"], _batch_problem(batch), batch=batch, results=results)
         return results
 
     def _follow_batch(
@@ -333,9 +335,7 @@ class Client:
         from tqdm import tqdm
 
         deadline = None if timeout is None else time.monotonic() + timeout
-        bar = tqdm(
-            total=None, unit="req", desc=batch["id"], disable=not progress, file=sys.stderr, dynamic_ncols=True
-        )
+        bar = tqdm(total=None, unit="req", desc=batch["id"], disable=not progress, file=sys.stderr, dynamic_ncols=True)
         seen = 0
         try:
             while True:
@@ -355,9 +355,11 @@ class Client:
                     return batch
                 if deadline is not None and time.monotonic() >= deadline:
                     raise WaitTimeout(
-                        None, "wait_timeout", f"batch {batch['id']} is still {batch.get('status')} after {timeout:g} s",
+                        None,
+                        "wait_timeout",
+                        f"batch {batch['id']} is still {batch.get('status')} after {timeout:g} s",
                         batch=batch,
-                    )  # fmt: skip
+                    )
                 time.sleep(poll_interval)
                 batch = self.get_batch(batch["id"])
         except KeyboardInterrupt:
@@ -398,7 +400,7 @@ class TokenStream:
         self._connections = 0
         self._gen: Iterator | None = None
 
-    def __iter__(self) -> "TokenStream":
+    def __iter__(self) -> TokenStream:
         return self
 
     def __next__(self) -> str | Restart:
@@ -423,7 +425,7 @@ class TokenStream:
             self._gen.close()
             self._gen = None
 
-    def __enter__(self) -> "TokenStream":
+    def __enter__(self) -> TokenStream:
         return self
 
     def __exit__(self, *exc) -> None:

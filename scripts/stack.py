@@ -237,13 +237,18 @@ class PrivateRedis:
         self.url = f"redis://127.0.0.1:{port}/0"
         argv = [
             redis_server_binary(),
-            "--port", str(port),
-            "--bind", "127.0.0.1",
-            "--dir", self.dir,
-            "--save", "",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.dir,
+            "--save",
+            "",
             *persistence,
-            "--daemonize", "no",
-        ]  # fmt: skip
+            "--daemonize",
+            "no",
+        ]
         self.proc = Proc("redis", argv, log=Path(self.dir) / "redis.log")
         deadline = time.monotonic() + 30  # loading a large append-only file takes a while
         while not redis_answers(self.url):
@@ -268,8 +273,15 @@ class SentinelRedis:
     one temp dir. `sentinels_env` is GENQ_REDIS_SENTINELS. `min_replicas_to_write` goes to the
     master only (a promoted replica has no replica of its own and must still take writes)."""
 
-    def __init__(self, master_name: str = "genq", sentinels: int = 3, quorum: int = 2, min_replicas_to_write: int = 0,
-                 down_after_ms: int = 1000, failover_timeout_ms: int = 5000) -> None:
+    def __init__(
+        self,
+        master_name: str = "genq",
+        sentinels: int = 3,
+        quorum: int = 2,
+        min_replicas_to_write: int = 0,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 5000,
+    ) -> None:
         self.master_name, self.quorum = master_name, quorum
         self.dir = tempfile.mkdtemp(prefix="genq-sentinel-")
         self.servers: dict[str, tuple[int, Proc]] = {}
@@ -290,16 +302,36 @@ class SentinelRedis:
                 )
                 argv = [redis_server_binary(), str(conf), "--sentinel", "--daemonize", "no"]
                 self.sentinels.append((port, Proc(f"sentinel{n}", argv, log=Path(self.dir) / f"sentinel{n}.log")))
-            wait_until(self._settled, 30, "the sentinels to see the master, its replica and each other",
-                       [p for _, p in self.sentinels] + [p for _, p in self.servers.values()])
+            wait_until(
+                self._settled,
+                30,
+                "the sentinels to see the master, its replica and each other",
+                [p for _, p in self.sentinels] + [p for _, p in self.servers.values()],
+            )
         except BaseException:
             self.stop()
             raise
 
     def _server(self, name: str, extra: list[str]) -> None:
         port = free_port()
-        argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", self.dir,
-                "--dbfilename", f"{name}.rdb", "--save", "", "--appendonly", "no", "--daemonize", "no", *extra]
+        argv = [
+            redis_server_binary(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.dir,
+            "--dbfilename",
+            f"{name}.rdb",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            *extra,
+        ]
         proc = Proc(f"redis {name}", argv, log=Path(self.dir) / f"{name}.log")
         self.servers[name] = (port, proc)
         wait_until(lambda: redis_answers(f"redis://127.0.0.1:{port}/0"), 30, f"redis {name}", [proc])
@@ -315,7 +347,9 @@ class SentinelRedis:
         return ",".join(f"127.0.0.1:{port}" for port, _ in self.sentinels)
 
     def ask(self, port: int, *command):
-        return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1, decode_responses=True).execute_command(*command)
+        return redis.Redis(
+            port=port, socket_timeout=1, socket_connect_timeout=1, decode_responses=True
+        ).execute_command(*command)
 
     def master_port(self) -> int | None:
         """The master's port as a quorum of sentinels names it (None: no agreement)."""
@@ -337,7 +371,10 @@ class SentinelRedis:
         for port, _ in self.sentinels:
             master = self.ask(port, "SENTINEL", "MASTER", self.master_name)
             state = dict(zip(master[::2], master[1::2])) if isinstance(master, list) else master
-            if int(state.get("num-slaves", 0)) < 1 or int(state.get("num-other-sentinels", 0)) < len(self.sentinels) - 1:
+            if (
+                int(state.get("num-slaves", 0)) < 1
+                or int(state.get("num-other-sentinels", 0)) < len(self.sentinels) - 1
+            ):
                 return False
         return True
 
@@ -441,8 +478,11 @@ class Restarting:
             if ran >= self.STABLE_S:
                 self.delay = self.FIRST_DELAY
             why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            say(f"{self.name} exited ({why}) after {ran:.0f} s; restarting it in {self.delay:g} s", err=True,
-                level=logging.WARNING)
+            say(
+                f"{self.name} exited ({why}) after {ran:.0f} s; restarting it in {self.delay:g} s",
+                err=True,
+                level=logging.WARNING,
+            )
             self.proc, self.restart_at = None, now + self.delay
             self.delay = min(2 * self.delay, self.MAX_DELAY)
         if now >= self.restart_at:
@@ -480,12 +520,20 @@ def main() -> int:
         )
         say(banner if _log else "\n" + "!" * 78 + "\n" + banner + "\n" + "!" * 78 + "\n", level=logging.WARNING)
     if not is_loopback(settings.host) and not settings.auth_enabled:
-        say(f"{'' if _log else 'WARNING: '}GENQ_HOST={settings.host} opens the API to the network, and it has "
-            "no API keys: anyone who reaches the port can submit and read jobs.", err=True, level=logging.WARNING)
+        say(
+            f"{'' if _log else 'WARNING: '}GENQ_HOST={settings.host} opens the API to the network, and it has "
+            "no API keys: anyone who reaches the port can submit and read jobs.",
+            err=True,
+            level=logging.WARNING,
+        )
     flower_env = {"FLOWER_ADDRESS": os.environ.get("FLOWER_ADDRESS") or settings.host}
     if settings.flower and not is_loopback(flower_env["FLOWER_ADDRESS"]) and not os.environ.get("FLOWER_BASIC_AUTH"):
-        say(f"GENQ_FLOWER=1 with Flower on {flower_env['FLOWER_ADDRESS']} needs FLOWER_BASIC_AUTH=user:password "
-            "(Flower would be open to the network)", err=True, level=logging.ERROR)
+        say(
+            f"GENQ_FLOWER=1 with Flower on {flower_env['FLOWER_ADDRESS']} needs FLOWER_BASIC_AUTH=user:password "
+            "(Flower would be open to the network)",
+            err=True,
+            level=logging.ERROR,
+        )
         return 2
 
     workers: list[Restarting] = []
@@ -513,8 +561,10 @@ def main() -> int:
             data_dir = ROOT / settings.data_dir / "redis"  # an absolute data_dir stays as it is
             private = PrivateRedis(data_dir)
             url = private.url
-            say(f"started a private redis-server at {url}, its data in {data_dir}"
-                + (f" ({os.environ['REDIS_URL']} did not answer)" if os.environ.get("REDIS_URL") else ""))
+            say(
+                f"started a private redis-server at {url}, its data in {data_dir}"
+                + (f" ({os.environ['REDIS_URL']} did not answer)" if os.environ.get("REDIS_URL") else "")
+            )
         if url and not settings.sentinel_addresses:
             env["REDIS_URL"] = url
         if settings.flower and "GENQ_CELERY_EVENTS" not in os.environ:
@@ -529,11 +579,15 @@ def main() -> int:
         api = Proc("api", api_argv(), {**env, "GENQ_MODEL_NAME": model})
         if settings.flower:
             flower = Restarting("flower", flower_argv(), {**env, **flower_env})
-            say(f"flower   http://{flower_env['FLOWER_ADDRESS']}:{os.environ.get('FLOWER_PORT') or 5555}"
-                f" (task events {cfg.get('GENQ_CELERY_EVENTS')})")
+            say(
+                f"flower   http://{flower_env['FLOWER_ADDRESS']}:{os.environ.get('FLOWER_PORT') or 5555}"
+                f" (task events {cfg.get('GENQ_CELERY_EVENTS')})"
+            )
         base = f"http://{settings.host}:{settings.port}"
-        say(f"\nAPI      {base}\nready    {base}/readyz\nexample  curl -s {base}/basic_generate "
-            "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello, my name is\"}'\n")
+        say(
+            f"\nAPI      {base}\nready    {base}/readyz\nexample  curl -s {base}/basic_generate "
+            "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello, my name is\"}'\n"
+        )
         while not stopping:
             if os.getppid() != parent:  # where PR_SET_PDEATHSIG is not (or came too late)
                 say("the process that started this one exited; stopping", err=True, level=logging.WARNING)

@@ -45,7 +45,7 @@ Why each setting:
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from celery import Celery
 
@@ -82,7 +82,7 @@ def _argsrepr(spec: JobSpec) -> str:
 def _expires(spec: JobSpec) -> datetime | None:
     # A worker that receives the message after the deadline drops it (the job ends expired,
     # worker/tasks.py), whatever its pool.
-    return None if spec.deadline is None else datetime.fromtimestamp(spec.deadline, timezone.utc)
+    return None if spec.deadline is None else datetime.fromtimestamp(spec.deadline, UTC)
 
 
 def publish_job(app: Celery, spec: JobSpec, queue: str) -> None:
@@ -106,9 +106,15 @@ def job_message(app: Celery, spec: JobSpec, queue: str) -> TaskMessage:
     two, the job and its message written atomically, and none of kombu's per-publish
     machinery."""
     return kombu_compat.build_message(
-        app, GENERATE_TASK, spec.id, [spec.model_dump(mode="json")], queue,
-        step=broker_priority(spec.priority), expires=_expires(spec), argsrepr=_argsrepr(spec),
-    )  # fmt: skip
+        app,
+        GENERATE_TASK,
+        spec.id,
+        [spec.model_dump(mode="json")],
+        queue,
+        step=broker_priority(spec.priority),
+        expires=_expires(spec),
+        argsrepr=_argsrepr(spec),
+    )
 
 
 # How long a worker keeps retrying a write (a result, a job's status) while Redis is away.
@@ -141,8 +147,13 @@ def make_celery(settings: Settings | None = None) -> Celery:
         task_default_priority=broker_priority(0),
         result_backend_transport_options={
             "visibility_timeout": visibility,
-            "retry_policy": {"max_retries": None, "timeout": WORKER_REDIS_RETRY_S,
-                             "interval_start": 0, "interval_step": 0.5, "interval_max": 2},
+            "retry_policy": {
+                "max_retries": None,
+                "timeout": WORKER_REDIS_RETRY_S,
+                "interval_start": 0,
+                "interval_step": 0.5,
+                "interval_max": 2,
+            },
             **sentinel,
         },
         broker_connection_retry_on_startup=True,
@@ -182,7 +193,10 @@ def make_sender(settings: Settings | None = None) -> Celery:
         redis_socket_timeout=SENDER_SOCKET_TIMEOUT_S,
         redis_socket_connect_timeout=SENDER_CONNECT_TIMEOUT_S,
         task_publish_retry_policy={
-            "max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2,
+            "max_retries": 1,
+            "interval_start": 0,
+            "interval_step": 0.2,
+            "interval_max": 0.2,
         },
     )
     return app

@@ -21,7 +21,8 @@ class RedisSettings(_Env):
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="REDIS_URL")
     redis_sentinels: str = Field(
-        "", pattern=r"^\s*([^\s,:]+:\d{1,5}(\s*,\s*[^\s,:]+:\d{1,5})*)?\s*$",
+        "",
+        pattern=r"^\s*([^\s,:]+:\d{1,5}(\s*,\s*[^\s,:]+:\d{1,5})*)?\s*$",
         description="Redis Sentinel: host:port,host:port,... of the sentinels; set, every process finds "
         "the master through them (tasks/redis_conn.py) and REDIS_URL is not used",
     )
@@ -52,34 +53,46 @@ class EngineSettings(_Env):
         "auto", description="weights' dtype; auto: bfloat16 on CPUs with native bf16, else float32"
     )
     device: str = Field(
-        "auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="hf engine: where the model and its "
+        "auto",
+        pattern=r"^(auto|cpu|cuda|cuda:\d+)$",
+        description="hf engine: where the model and its "
         "KV cache live: auto (CUDA when torch sees a GPU, else cpu), cpu, cuda or cuda:N",
     )
     max_batch_size: int = Field(32, ge=1, le=1024)
     chat_template: str | None = Field(
-        None, description="a chat template (Jinja) file: the template of a model that has none, in place "
+        None,
+        description="a chat template (Jinja) file: the template of a model that has none, in place "
         "of the model's own where it has one (as vLLM's --chat-template); rendered by the worker",
     )
     torch_threads: int = Field(
         0, ge=0, description="the hf engine's torch (OpenMP) threads; 0: torch's default, one per core"
     )
     packed_linears: bool = Field(
-        True, description="hf engine: linear layers through oneDNN with weights packed at load "
+        True,
+        description="hf engine: linear layers through oneDNN with weights packed at load "
         "(worker/engines/packed.py); false: PyTorch's nn.Linear",
     )
     background_step_every: int = Field(
-        4, ge=1, description="hf engine: while foreground jobs (priority <= 0) run, background jobs "
+        4,
+        ge=1,
+        description="hf engine: while foreground jobs (priority <= 0) run, background jobs "
         "(priority > 0: batch lines) take one decode step in this many; 1: every step",
     )
     reserved_slots: int | None = Field(
-        None, ge=0, le=1024, description="hf engine: jobs a worker takes beyond GENQ_MAX_BATCH_SIZE, so "
+        None,
+        ge=0,
+        le=1024,
+        description="hf engine: jobs a worker takes beyond GENQ_MAX_BATCH_SIZE, so "
         "that foreground jobs (priority <= 0) reach it while batch lines fill every row (they then "
         "preempt a line); the batch driver leaves half of them free of lines; default: an eighth",
     )
     vllm_enforce_eager: bool = Field(True, description="no graph capture/compilation (CPU: no gain)")
     vllm_kv_cache_gib: int = Field(1, ge=1, description="vLLM's KV cache on CPU, GiB")
     vllm_gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="vLLM (GPU): the share of each GPU's memory this engine takes; "
+        0.9,
+        gt=0,
+        le=1,
+        description="vLLM (GPU): the share of each GPU's memory this engine takes; "
         "two workers on one GPU need a share each that adds up to at most 1",
     )
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs one engine shards the model over")
@@ -87,7 +100,8 @@ class EngineSettings(_Env):
         None, ge=16, description="vLLM: the context it serves (a smaller one needs less KV cache); default: the model's"
     )
     sim_step_ms: str = Field(
-        "5+0.5", pattern=r"^\s*\d+(\.\d*)?\s*(\+\s*\d+(\.\d*)?\s*)?$",
+        "5+0.5",
+        pattern=r"^\s*\d+(\.\d*)?\s*(\+\s*\d+(\.\d*)?\s*)?$",
         description="benchmarks only: the sim engine's decode step, 'a+b' sleeps a + b x batch ms "
         "(worker/engines/sim.py, docs/scaling.md)",
     )

@@ -81,14 +81,17 @@ return {moved, cur, attempts, forgiven}
 # the job's current one). KEYS: as _TRANSITION, then the result key. ARGV: as _TRANSITION, then
 # the encoded result and its expiry in seconds ('0' = none). One round trip where the result
 # and the final status took two; the client woken by the status still finds the result.
-_SUCCEED = """
+_SUCCEED = (
+    """
 local ex = table.remove(ARGV)
 local value = table.remove(ARGV)
 if redis.call('HGET', KEYS[1], 'attempts') == ARGV[5] then
   if ex == '0' then redis.call('SET', KEYS[4], value)
   else redis.call('SET', KEYS[4], value, 'EX', ex) end
 end
-""" + _TRANSITION
+"""
+    + _TRANSITION
+)
 
 # Creates the records of queued jobs unless their queue already holds `max_depth` of them, or
 # their owner (an API key's name) already has `max_queued` waiting, over all queues.
@@ -214,19 +217,30 @@ class JobStore:
         args: list = [max_depth, self.ttl, now, 11, "" if max_queued is None else max_queued, len(specs)]
         for spec in specs:
             args += [
-                "id", spec.id,
-                "model", spec.model,
-                "queue", queue,
-                "status", JobStatus.queued.value,
-                "created", now,
-                "params", spec.params.model_dump_json(exclude_defaults=True),
-                "attempts", 0,
-                "priority", spec.priority,
-                "deadline", "" if spec.deadline is None else repr(spec.deadline),
-                "owner", owner,
+                "id",
+                spec.id,
+                "model",
+                spec.model,
+                "queue",
+                queue,
+                "status",
+                JobStatus.queued.value,
+                "created",
+                now,
+                "params",
+                spec.params.model_dump_json(exclude_defaults=True),
+                "attempts",
+                0,
+                "priority",
+                spec.priority,
+                "deadline",
+                "" if spec.deadline is None else repr(spec.deadline),
+                "owner",
+                owner,
                 # The message's content, to publish it again should the broker lose it.
-                "spec", spec.model_dump_json(),
-            ]  # fmt: skip
+                "spec",
+                spec.model_dump_json(),
+            ]
         messages = messages or []
         args += [payload for _, payload in messages]
         owner_set = keys.queued_by(owner) if owner else ""
@@ -264,7 +278,7 @@ class JobStore:
         pipe.hgetall(keys.job(job_id))
         if result_key is not None:
             pipe.get(result_key)
-        replies = pipe.execute()[0 if block_ms is None else 1:]
+        replies = pipe.execute()[0 if block_ms is None else 1 :]
         rec = replies[0]
         if not rec:
             return None
@@ -329,8 +343,9 @@ class JobStore:
         moved, prev, number, forgiven = self._move(
             job_id, JobStatus.running, ACTIVE, worker=worker, tag=tag, started=repr(time.time())
         )
-        return Attempt(run=moved == 1, prev=prev, number=number, exhausted=moved == 2,
-                       solo=forgiven >= SOLO_AFTER_FORGIVEN)
+        return Attempt(
+            run=moved == 1, prev=prev, number=number, exhausted=moved == 2, solo=forgiven >= SOLO_AFTER_FORGIVEN
+        )
 
     def mark_solo(self, job_id: str, attempt: int) -> None:
         """Record that `attempt`, which runs alone on its worker, is now in the engine."""
@@ -358,15 +373,19 @@ class JobStore:
         seconds, 0 = no expiry) and mark the job succeeded, in one call, both only while
         `attempt` is the job's current one (the status also only from queued or running).
         Returns whether the status moved."""
-        moved, _, _, _ = self._move(job_id, JobStatus.succeeded, ACTIVE, attempt,
-                                 _result=(result_key, value, int(expires or 0)), finished=repr(time.time()))
+        moved, _, _, _ = self._move(
+            job_id,
+            JobStatus.succeeded,
+            ACTIVE,
+            attempt,
+            _result=(result_key, value, int(expires or 0)),
+            finished=repr(time.time()),
+        )
         return moved == 1
 
     def expire(self, job_id: str, allowed: tuple[JobStatus, ...] = (JobStatus.queued,)) -> bool:
         """End a job whose deadline passed before it started: it never runs."""
-        moved, _ = self.transition(
-            job_id, JobStatus.expired, allowed, finished=repr(time.time()), error=EXPIRED
-        )
+        moved, _ = self.transition(job_id, JobStatus.expired, allowed, finished=repr(time.time()), error=EXPIRED)
         return moved
 
     def expire_if_due(self, rec: dict[str, str]) -> dict[str, str] | None:
@@ -386,9 +405,7 @@ class JobStore:
         return moved
 
     def cancel(self, job_id: str) -> tuple[bool, JobStatus | None]:
-        return self.finish(
-            job_id, JobStatus.cancelled, {"code": "cancelled", "message": "cancelled by the client"}
-        )
+        return self.finish(job_id, JobStatus.cancelled, {"code": "cancelled", "message": "cancelled by the client"})
 
     def wait(
         self, job_id: str, timeout: float, exists: bool = False, result_key: str | bytes | None = None

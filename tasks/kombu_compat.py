@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import redis
 from celery import Celery, signals
@@ -163,8 +163,12 @@ def guard_restores(running_tags: Callable[[], Collection[str]]) -> None:
                 return original(self, client)
             except Exception as exc:  # noqa: BLE001 - whatever a half-closed client raises
                 if time.monotonic() > deadline:
-                    log.error("could not give %d received jobs back to the broker: %s; they "
-                              "come back after the visibility timeout", len(self._delivered), exc)
+                    log.error(
+                        "could not give %d received jobs back to the broker: %s; they "
+                        "come back after the visibility timeout",
+                        len(self._delivered),
+                        exc,
+                    )
                     self._delivered.clear()
                     return None
                 log.warning("giving received jobs back to the broker failed (%s); retrying", exc)
@@ -222,9 +226,16 @@ class TaskMessage:
 
 
 def build_message(
-    app: Celery, name: str, task_id: str, args: list, queue: str, *,
-    step: int, expires: datetime | None, argsrepr: str,
-) -> TaskMessage:  # fmt: skip
+    app: Celery,
+    name: str,
+    task_id: str,
+    args: list,
+    queue: str,
+    *,
+    step: int,
+    expires: datetime | None,
+    argsrepr: str,
+) -> TaskMessage:
     """The message `app.send_task(name, args, task_id=..., queue=..., priority=step, ...)`
     would LPUSH onto the queue's list, built without kombu's publish path (producer pool,
     `ensure` wrappers, declarations: a third of the API's CPU per job, docs/benchmarks.md).
@@ -233,24 +244,36 @@ def build_message(
     `before_task_publish` signal is sent here, as `send_task` sends it; `after_task_publish`
     by `TaskMessage.published`, and the task-sent event by `send_sent_events`."""
     headers, properties, body, sent_event = app.amqp.as_task_v2(
-        task_id, name, args=args, expires=expires, reply_to=app.thread_oid,
-        argsrepr=argsrepr, ignore_result=None, create_sent_event=app.conf.task_send_sent_event,
-    )  # fmt: skip
+        task_id,
+        name,
+        args=args,
+        expires=expires,
+        reply_to=app.thread_oid,
+        argsrepr=argsrepr,
+        ignore_result=None,
+        create_sent_event=app.conf.task_send_sent_event,
+    )
     properties["argsrepr"] = headers["argsrepr"]  # send_task passes it on as a property too
     signals.before_task_publish.send(
-        sender=name, body=body, exchange="", routing_key=queue, declare=None,
-        headers=headers, properties=properties, retry_policy=None,
-    )  # fmt: skip
+        sender=name,
+        body=body,
+        exchange="",
+        routing_key=queue,
+        declare=None,
+        headers=headers,
+        properties=properties,
+        retry_policy=None,
+    )
     properties["delivery_mode"] = 2
     if expires is not None:
-        ttl = max(0.0, (expires - datetime.now(timezone.utc)).total_seconds())
+        ttl = max(0.0, (expires - datetime.now(UTC)).total_seconds())
         properties["expiration"] = str(int(ttl * 1000))
     properties.update(
         delivery_info={"exchange": "", "routing_key": queue},
         priority=step,
         body_encoding="base64",
         delivery_tag=str(uuid.uuid4()),
-    )  # fmt: skip
+    )
     message = {
         "body": base64.b64encode(json.dumps(body).encode()).decode(),
         "content-encoding": "utf-8",
@@ -273,5 +296,6 @@ def send_sent_events(app: Celery, messages: Iterable[TaskMessage]) -> None:
     conf = app.conf
     with app.events.default_dispatcher() as dispatcher:
         for event in events:
-            dispatcher.send("task-sent", retry=conf.task_publish_retry,
-                            retry_policy=conf.task_publish_retry_policy, **event)
+            dispatcher.send(
+                "task-sent", retry=conf.task_publish_retry, retry_policy=conf.task_publish_retry_policy, **event
+            )

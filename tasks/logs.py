@@ -65,8 +65,10 @@ def libraries_as_json(level: str = "INFO", transformers: bool = True) -> None:
     import os
     import tempfile
 
-    vllm = {**config("json", level), "loggers": {"vllm": {"handlers": ["genq"], "level": level.upper(),
-                                                          "propagate": False}}}
+    vllm = {
+        **config("json", level),
+        "loggers": {"vllm": {"handlers": ["genq"], "level": level.upper(), "propagate": False}},
+    }
     del vllm["root"]
     path = os.path.join(tempfile.gettempdir(), f"genq-vllm-logging-{level.upper()}.json")
     with open(path + ".tmp", "w") as fh:
@@ -99,5 +101,6 @@ def job_event(event: str, job_id: str, **fields) -> None:
         return
     fields = {k: v for k, v in fields.items() if v is not None}
     pairs = " ".join(f"{k}={_text(v)}" for k, v in fields.items())
-    JOBS.info("job %s %s %s", event, job_id, pairs,
-              extra={"genq": {"event": f"job.{event}", "job_id": job_id, **fields}})
+    JOBS.info(
+        "job %s %s %s", event, job_id, pairs, extra={"genq": {"event": f"job.{event}", "job_id": job_id, **fields}}
+    )

@@ -21,7 +21,9 @@ class WorkerInfo(BaseModel):
     model: str
     engine: str
     capacity: int
-    reserved: int = Field(0, description="Celery threads beyond its capacity, kept for foreground jobs (batch lines fill half at most)")
+    reserved: int = Field(
+        0, description="Celery threads beyond its capacity, kept for foreground jobs (batch lines fill half at most)"
+    )
     host: str
     pid: int
     started: float

@@ -55,18 +55,26 @@ class StructuredOutput(BaseModel):
     disable_any_whitespace: bool = Field(False, description="JSON without whitespace between its tokens")
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> "StructuredOutput":
+    def _exactly_one(self) -> StructuredOutput:
         kinds = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
-            raise ValueError(f"exactly one of json, json_object, regex, choice, grammar is needed, not {kinds or 'none'}")
+            raise ValueError(
+                f"exactly one of json, json_object, regex, choice, grammar is needed, not {kinds or 'none'}"
+            )
         return self
 
     @property
     def key(self) -> tuple:
         """What identifies the compiled grammar (a cache key)."""
-        return (self.json_schema, self.json_object, self.regex, tuple(self.choice or ()), self.grammar,
-                self.disable_any_whitespace)
+        return (
+            self.json_schema,
+            self.json_object,
+            self.regex,
+            tuple(self.choice or ()),
+            self.grammar,
+            self.disable_any_whitespace,
+        )
 
 
 class SamplingParams(BaseModel):
@@ -84,37 +92,53 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, max_length=8)
     ignore_eos: bool = False
     repetition_penalty: float = Field(
-        1.0, gt=0.0, le=10.0, allow_inf_nan=False,
+        1.0,
+        gt=0.0,
+        le=10.0,
+        allow_inf_nan=False,
         description="> 1 discourages every token of the prompt and the output so far (1: off)",
     )
     presence_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        allow_inf_nan=False,
         description="subtracted from the logit of every token the output already has (0: off)",
     )
     frequency_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        allow_inf_nan=False,
         description="subtracted from a token's logit once per time the output has it (0: off)",
     )
     min_tokens: int = Field(
         0, ge=0, le=2**31 - 1, description="EOS and stop_token_ids are impossible before this many tokens"
     )
     stop_token_ids: list[int] = Field(
-        default_factory=list, max_length=STOP_TOKEN_IDS_MAX,
+        default_factory=list,
+        max_length=STOP_TOKEN_IDS_MAX,
         description="token ids that end the completion (not part of its text), beside EOS",
-    )  # fmt: skip
+    )
     logprobs: int | None = Field(
-        None, ge=0, le=LOGPROBS_MAX,
+        None,
+        ge=0,
+        le=LOGPROBS_MAX,
         description="return each token's log-probability and those of the n likeliest tokens",
-    )  # fmt: skip
+    )
     # vLLM's other sampling and output parameters; each default changes nothing.
     min_p: float = Field(
-        0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+        0.0,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
         description="drop tokens less likely than min_p times the likeliest one (sampling; 0: off)",
-    )  # fmt: skip
+    )
     logit_bias: dict[int, float] = Field(
-        default_factory=dict, max_length=LOGIT_BIAS_MAX,
+        default_factory=dict,
+        max_length=LOGIT_BIAS_MAX,
         description="token id -> added to its logit, clamped to [-100, 100]",
-    )  # fmt: skip
+    )
     allowed_token_ids: list[int] | None = Field(
         None, min_length=1, max_length=ALLOWED_TOKEN_IDS_MAX, description="only these tokens may be generated"
     )
@@ -218,7 +242,7 @@ class SamplingParams(BaseModel):
         """Whether any penalty changes the logits."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def for_choice(self, j: int) -> "SamplingParams":
+    def for_choice(self, j: int) -> SamplingParams:
         """The parameters of the `j`-th of `n` completions of one prompt: its own seed (the
         request's seed + j), so that seeded choices differ and each can be reproduced."""
         if j == 0 or self.seed is None:
@@ -289,7 +313,7 @@ class Logprobs(BaseModel):
         default_factory=list, description="where each token starts, in characters from the completion's start"
     )
 
-    def extend(self, other: "Logprobs") -> None:
+    def extend(self, other: Logprobs) -> None:
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(self, name).extend(getattr(other, name))
 
@@ -312,7 +336,8 @@ class GenerationResult(BaseModel):
     worker: str | None = None
     logprobs: Logprobs | None = Field(None, description="with the job's `logprobs` parameter")
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
-        None, description="with `prompt_logprobs`: per prompt token (None for the first), token id -> its logprob",
+        None,
+        description="with `prompt_logprobs`: per prompt token (None for the first), token id -> its logprob",
     )
     prompt_token_ids: list[int] | None = Field(None, description="with `return_token_ids`")
     token_ids: list[int] | None = Field(None, description="with `return_token_ids`: the completion's")

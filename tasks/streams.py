@@ -13,8 +13,8 @@ the first that differs, so no reader sees two attempts mixed. How and why: docs/
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import redis
 
@@ -40,7 +40,7 @@ class TokenEvent:
         return str(self.index) if self.attempt == 1 else f"{self.attempt}:{self.index}"
 
     @classmethod
-    def parse(cls, fields: dict[str, str]) -> "TokenEvent":
+    def parse(cls, fields: dict[str, str]) -> TokenEvent:
         return cls(
             index=int(fields["i"]),
             text=fields.get("t", ""),

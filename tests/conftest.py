@@ -200,7 +200,7 @@ def vllm_reference(tiny_model):
             cwd=ROOT,
         )
         assert out.returncode == 0, out.stderr[-3000:]
-        (line,) = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+        (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         return json.loads(line[len("RESULT ") :])
 
     return complete
@@ -213,8 +213,12 @@ VLLM_MAX_MODEL_LEN = 384
 @pytest.fixture(scope="session")
 def vllm_stack(make_session_stack) -> Stack:
     """The tiny model behind one vLLM worker (and the API), its context cut to VLLM_MAX_MODEL_LEN."""
-    s = make_session_stack(GENQ_ENGINE="vllm", GENQ_MAX_BATCH_SIZE="16", GENQ_VLLM_MAX_MODEL_LEN=str(VLLM_MAX_MODEL_LEN),
-                           GENQ_CHAT_TEMPLATE=str(ROOT / "tests" / "chat_template.jinja"))
+    s = make_session_stack(
+        GENQ_ENGINE="vllm",
+        GENQ_MAX_BATCH_SIZE="16",
+        GENQ_VLLM_MAX_MODEL_LEN=str(VLLM_MAX_MODEL_LEN),
+        GENQ_CHAT_TEMPLATE=str(ROOT / "tests" / "chat_template.jinja"),
+    )
     s.start_api()
     s.start_worker()
     s.wait_ready(timeout=240)

@@ -69,9 +69,13 @@ class FakeBatchServer:
                 except ValueError:
                     return error(400, "invalid_request", f"line {n}: not valid JSON", "file", n)
             file = {
-                "id": f"file-{uuid.uuid4().hex[:12]}", "object": "file", "bytes": len(raw),
-                "created_at": int(time.time()), "filename": upload.filename, "purpose": "batch",
-            }  # fmt: skip
+                "id": f"file-{uuid.uuid4().hex[:12]}",
+                "object": "file",
+                "bytes": len(raw),
+                "created_at": int(time.time()),
+                "filename": upload.filename,
+                "purpose": "batch",
+            }
             with self.lock:
                 self.files[file["id"]] = {**file, "_content": raw, "_lines": lines}
             return jsonify(file)
@@ -94,13 +98,22 @@ class FakeBatchServer:
             if body.get("completion_window") != "24h":
                 return error(400, "invalid_request", "completion_window: only 24h", "completion_window")
             batch = {
-                "id": f"batch_{uuid.uuid4().hex[:12]}", "object": "batch", "endpoint": body["endpoint"],
-                "errors": None, "input_file_id": f["id"], "completion_window": "24h",
-                "status": "validating", "output_file_id": None, "error_file_id": None,
-                "created_at": int(time.time()), "in_progress_at": None, "completed_at": None,
-                "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
+                "id": f"batch_{uuid.uuid4().hex[:12]}",
+                "object": "batch",
+                "endpoint": body["endpoint"],
+                "errors": None,
+                "input_file_id": f["id"],
+                "completion_window": "24h",
+                "status": "validating",
+                "output_file_id": None,
+                "error_file_id": None,
+                "created_at": int(time.time()),
+                "in_progress_at": None,
+                "completed_at": None,
+                "cancelled_at": None,
+                "request_counts": {"total": 0, "completed": 0, "failed": 0},
                 "metadata": body.get("metadata"),
-            }  # fmt: skip
+            }
             with self.lock:
                 self.batches[batch["id"]] = {**batch, "_todo": list(f["_lines"]), "_out": [], "_err": []}
             return jsonify(batch)
@@ -173,10 +186,12 @@ def _answer(line: dict) -> dict:
     else:
         status = 200
         out = {
-            "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion", "created": int(time.time()),
+            "id": f"cmpl-{uuid.uuid4().hex[:12]}",
+            "object": "text_completion",
+            "created": int(time.time()),
             "model": body.get("model", "fake"),
             "choices": [{"index": 0, "text": prompt.upper(), "finish_reason": "length", "logprobs": None}],
-        }  # fmt: skip
+        }
     return {
         "id": f"batch_req_{uuid.uuid4().hex[:12]}",
         "custom_id": line.get("custom_id"),

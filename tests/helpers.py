@@ -15,8 +15,6 @@ import requests
 
 from scripts import stack as stackmod
 
-
-
 # Prompts of every shape the engine tests feed the tiny model: short, one character, long,
 # code, repeated, non-ASCII.
 ENGINE_PROMPTS = [
@@ -81,14 +79,21 @@ class KillableRedis:
     def start(self) -> None:
         argv = [
             stackmod.redis_server_binary(),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.dir),
-            "--save", "",
-            "--appendonly", "yes",
-            "--appendfsync", self.fsync,
-            "--daemonize", "no",
-        ]  # fmt: skip
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.fsync,
+            "--daemonize",
+            "no",
+        ]
         self.proc = stackmod.Proc("redis", argv, log=self.dir / "redis.log")
         stackmod.wait_until(lambda: stackmod.redis_answers(self.url), 15, "redis-server", [self.proc])
 
@@ -134,7 +139,7 @@ def table_rows(doc: str, section: str) -> list[list[str]]:
     at = doc.find("\n" + section)
     at = at + 1 if at >= 0 else doc.index(section)
     table = []
-    for line in doc[at + len(section):].splitlines()[1:]:
+    for line in doc[at + len(section) :].splitlines()[1:]:
         if line.startswith("|"):
             table.append([c.strip() for c in line.strip("|").split("|")])
         elif table or line.startswith("#"):

@@ -216,13 +216,36 @@ def test_completions_refuse_unsupported_values_naming_the_parameter(client, para
 def test_completions_accept_neutral_and_supported_values(client):
     """Everything here passes validation; without a worker the call then answers 503."""
     neutral = {
-        "n": 1, "best_of": 1, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0,
-        "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [], "logit_bias": {}, "top_k": -1,
-        "min_p": 0, "use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True,
-        "response_format": {"type": "text"}, "request_id": "abc", "seed": None, "echo": None,
-    }  # fmt: skip
-    supported = {"n": 3, "best_of": 3, "logprobs": 5, "presence_penalty": -2, "frequency_penalty": 2,
-                 "repetition_penalty": 1.3, "min_tokens": 4, "stop_token_ids": [2, 50], "max_tokens": 8}
+        "n": 1,
+        "best_of": 1,
+        "logprobs": None,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_tokens": 0,
+        "stop_token_ids": [],
+        "logit_bias": {},
+        "top_k": -1,
+        "min_p": 0,
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "skip_special_tokens": True,
+        "response_format": {"type": "text"},
+        "request_id": "abc",
+        "seed": None,
+        "echo": None,
+    }
+    supported = {
+        "n": 3,
+        "best_of": 3,
+        "logprobs": 5,
+        "presence_penalty": -2,
+        "frequency_penalty": 2,
+        "repetition_penalty": 1.3,
+        "min_tokens": 4,
+        "stop_token_ids": [2, 50],
+        "max_tokens": 8,
+    }
     for body in (neutral, supported):
         assert_error(client.post("/v1/completions", json={"prompt": "Hi", **body}), 503, "no_worker")
     # n jobs per prompt count against the queue: 2 prompts x 2 > GENQ_MAX_QUEUE_DEPTH (3).
@@ -232,10 +255,15 @@ def test_completions_accept_neutral_and_supported_values(client):
 @pytest.mark.parametrize(
     "params",
     [
-        {"logprobs": 6}, {"repetition_penalty": 0}, {"presence_penalty": "0.5"}, {"min_tokens": 5, "max_new_tokens": 2},
-        {"stop_token_ids": [2**31]}, {"frequency_penalty": 2.01}, {"stop_token_ids": ["2"]},
+        {"logprobs": 6},
+        {"repetition_penalty": 0},
+        {"presence_penalty": "0.5"},
+        {"min_tokens": 5, "max_new_tokens": 2},
+        {"stop_token_ids": [2**31]},
+        {"frequency_penalty": 2.01},
+        {"stop_token_ids": ["2"]},
     ],
-)  # fmt: skip
+)
 def test_bad_sampling_parameters_of_jobs(client, params):
     param = next(k for k in params if k != "max_new_tokens")
     err = assert_error(client.post("/v1/jobs", json={"prompt": "x", **params}), 400, "invalid_request")
@@ -243,7 +271,14 @@ def test_bad_sampling_parameters_of_jobs(client, params):
 
 
 def test_jobs_take_the_sampling_parameters(client):
-    params = {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_tokens": 2,
-              "stop_token_ids": [5], "logprobs": 0, "max_new_tokens": 4}
+    params = {
+        "repetition_penalty": 1.2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "min_tokens": 2,
+        "stop_token_ids": [5],
+        "logprobs": 0,
+        "max_new_tokens": 4,
+    }
     resp = client.post("/v1/jobs", json={"prompt": "x", **params})
     assert resp.status_code == 202, resp.get_data(as_text=True)

@@ -51,8 +51,7 @@ class Reference:
 
 
 def spec(i: int, prompt: str, n: int, priority: int = 0) -> JobSpec:
-    return JobSpec(id=f"a{i}", model="t", prompt=prompt, priority=priority,
-                   params=SamplingParams(max_new_tokens=n))
+    return JobSpec(id=f"a{i}", model="t", prompt=prompt, priority=priority, params=SamplingParams(max_new_tokens=n))
 
 
 # The same parity on a GPU where torch sees one (README: "On a GPU"); packed linears are a CPU path.
@@ -72,8 +71,17 @@ def test_staggered_jobs_and_preemption_match_generate_alone(name, device, packed
     resume later (preemption by recompute): every text is generate's of that prompt alone."""
     path = checkpoints[name]
     ref = Reference(path)
-    engine = HFEngine(Settings(model=str(path), model_name="t", max_batch_size=4, reserved_slots=0,
-                               packed_linears=packed, dtype="float32", device=device))
+    engine = HFEngine(
+        Settings(
+            model=str(path),
+            model_name="t",
+            max_batch_size=4,
+            reserved_slots=0,
+            packed_linears=packed,
+            dtype="float32",
+            device=device,
+        )
+    )
     assert engine.device.startswith(device)
     try:
         jobs = []
@@ -117,13 +125,27 @@ def _config(model_type: str, **kw):
 def test_prepare_caps_or_refuses_what_would_be_inexact():
     limit, notes = arch.prepare(_config("mistral", sliding_window=4096, max_position_embeddings=32768))
     assert limit == 4096 and notes
-    cfg = _config("qwen2", use_sliding_window=True, sliding_window=1024, max_window_layers=0,
-                  num_hidden_layers=2, max_position_embeddings=8192)
+    cfg = _config(
+        "qwen2",
+        use_sliding_window=True,
+        sliding_window=1024,
+        max_window_layers=0,
+        num_hidden_layers=2,
+        max_position_embeddings=8192,
+    )
     assert arch.prepare(cfg)[0] == 1024 and cfg.layer_types == ["full_attention"] * 2
     assert arch.prepare(_config("qwen2", max_position_embeddings=8192))[0] == 8192  # no window
-    phi = _config("phi3", max_position_embeddings=131072, original_max_position_embeddings=4096,
-                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48,
-                                "original_max_position_embeddings": 4096})
+    phi = _config(
+        "phi3",
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 48,
+            "long_factor": [2.0] * 48,
+            "original_max_position_embeddings": 4096,
+        },
+    )
     assert arch.prepare(phi)[0] == 4096
     with pytest.raises(arch.UnsupportedModel, match="Gemma2.*sliding"):
         arch.prepare(_config("gemma2", architectures=["Gemma2ForCausalLM"], num_hidden_layers=2))
@@ -153,12 +175,20 @@ def test_every_architecture_through_the_queue(make_stack, checkpoints):
     s = make_stack()
     s.start_api()
     for i, name in enumerate(ARCHS):
-        s.start_worker(GENQ_MODEL=str(checkpoints[name]), GENQ_MODEL_NAME=f"{s.name}-{name}",
-                       GENQ_PACKED_LINEARS=str(i % 2 == 0).lower(), GENQ_MAX_BATCH_SIZE="8",
-                       GENQ_TORCH_THREADS="1")  # seven workers on a few cores
+        s.start_worker(
+            GENQ_MODEL=str(checkpoints[name]),
+            GENQ_MODEL_NAME=f"{s.name}-{name}",
+            GENQ_PACKED_LINEARS=str(i % 2 == 0).lower(),
+            GENQ_MAX_BATCH_SIZE="8",
+            GENQ_TORCH_THREADS="1",
+        )  # seven workers on a few cores
     models = {f"{s.name}-{name}" for name in ARCHS}
-    stackmod.wait_until(lambda: models <= {m["id"] for m in s.get("/v1/models").json().get("data", [])},
-                        180, "a worker of every architecture", s.procs)
+    stackmod.wait_until(
+        lambda: models <= {m["id"] for m in s.get("/v1/models").json().get("data", [])},
+        180,
+        "a worker of every architecture",
+        s.procs,
+    )
     cards = [m for m in s.get("/v1/models").json()["data"] if m["id"] in models]
     assert all(m["devices"] == ["cpu"] for m in cards)  # GENQ_DEVICE=auto without a GPU
 
@@ -184,10 +214,22 @@ def test_a_refused_architecture_stops_its_worker_with_the_reason(make_stack, tin
     """Gemma 2 interleaves sliding-window layers with other per-layer differences: the worker
     refuses it at load, names the architecture and the reason, and exits non-zero."""
     path = tmp_path / "tiny-gemma2"
-    cfg = _config("gemma2", architectures=["Gemma2ForCausalLM"], vocab_size=4096, hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  head_dim=32, max_position_embeddings=256, sliding_window=64, pad_token_id=1, bos_token_id=2,
-                  eos_token_id=2)
+    cfg = _config(
+        "gemma2",
+        architectures=["Gemma2ForCausalLM"],
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        sliding_window=64,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_model / f, path / f)

@@ -19,9 +19,8 @@ import pytest
 import redis
 
 from tasks.config import Settings
-from webapp import auth, create_app
-
 from tests.helpers import sse_events
+from webapp import auth, create_app
 
 RUN = uuid.uuid4().hex[:6]  # owner names of this run: quotas count per name over all of Redis
 ALICE, BOB, CAROL, DAVE = (f"sk-{who}-{secrets.token_hex(12)}" for who in ("alice", "bob", "carol", "dave"))
@@ -77,7 +76,9 @@ def r(redis_url):
 
 
 def submit(stack, key: str, **body):
-    resp = stack.post("/v1/jobs", json={"prompt": "one two three four", "max_new_tokens": 2, **body}, headers=bearer(key))
+    resp = stack.post(
+        "/v1/jobs", json={"prompt": "one two three four", "max_new_tokens": 2, **body}, headers=bearer(key)
+    )
     if resp.status_code == 202 and hasattr(stack, "jobs"):
         stack.jobs.append((resp.json()["id"], key))
     return resp
@@ -108,8 +109,12 @@ def test_every_route_but_health_needs_a_key(keyed):
         if path in auth.OPEN_PATHS:
             assert call(path).status_code != 401, path
             continue
-        for headers, invalid in (({}, False), (bearer(WRONG), True), ({"Authorization": f"Basic {ALICE}"}, False),
-                                 ({"Authorization": "Bearer "}, False)):
+        for headers, invalid in (
+            ({}, False),
+            (bearer(WRONG), True),
+            ({"Authorization": f"Basic {ALICE}"}, False),
+            ({"Authorization": "Bearer "}, False),
+        ):
             resp = call(path, headers=headers)
             assert_error(resp, 401, "unauthorized")
             challenge = resp.headers["WWW-Authenticate"]
@@ -147,7 +152,9 @@ def test_a_key_cannot_see_another_keys_jobs(keyed):
         assert nothing["message"] == f"no job {unknown!r}"
         assert_error(keyed.get(f"/v1/jobs/{job_id}/stream", headers=bearer(who)), 404, "not_found")
         assert_error(keyed.post(f"/v1/jobs/{job_id}/cancel", headers=bearer(who)), 404, "not_found")
-    with keyed.http.get(f"{keyed.base}/v1/jobs/{job_id}/stream", headers=bearer(ALICE), stream=True, timeout=30) as resp:
+    with keyed.http.get(
+        f"{keyed.base}/v1/jobs/{job_id}/stream", headers=bearer(ALICE), stream=True, timeout=30
+    ) as resp:
         assert resp.status_code == 200
         assert [e.get("event") for e in sse_events(resp)][-1] == "done"
     assert_error(keyed.post(f"/v1/jobs/{job_id}/cancel", headers=bearer(ALICE)), 409, "already_final")
@@ -257,8 +264,16 @@ def test_keys_file_lines():
     assert (key.name, key.digest, key.max_queued, key.max_new_tokens) == ("a.b@c", bytes.fromhex(d), 3, 5)
     assert auth.KeyTable([key]).find("k") is key and auth.KeyTable([key]).find("K") is None
     assert auth.parse_line("k", "x").name == "key-" + d[:8] and d[8:16] not in repr(auth.parse_line("k", "x"))
-    for bad in ("sha256:abc", "k name=", "k name=a/b", "k max_queued=0", "k max_queued=x", "k owner=a",
-                "k name=a name=b", "k limit"):
+    for bad in (
+        "sha256:abc",
+        "k name=",
+        "k name=a/b",
+        "k max_queued=0",
+        "k max_queued=x",
+        "k owner=a",
+        "k name=a name=b",
+        "k limit",
+    ):
         with pytest.raises(ValueError) as info:
             auth.parse_line(bad.replace("k", "s3cret", 1), "keys line 1")
         assert "s3cret" not in str(info.value) and "keys line 1" in str(info.value)

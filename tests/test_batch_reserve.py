@@ -29,11 +29,20 @@ def test_an_interactive_job_starts_beside_a_running_batch(make_stack, redis_url)
     try:
         body = {"model": s.name, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
         data = "".join(
-            json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
-                        "body": {**body, "prompt": f"line {i} of the batch"}}) + "\n"
+            json.dumps(
+                {
+                    "custom_id": f"l{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {**body, "prompt": f"line {i} of the batch"},
+                }
+            )
+            + "\n"
             for i in range(LINES)
-        ).encode()  # fmt: skip
-        f = requests.post(s.base + "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", data)}, timeout=60)
+        ).encode()
+        f = requests.post(
+            s.base + "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", data)}, timeout=60
+        )
         assert f.status_code == 200, f.text
         spec = {"input_file_id": f.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
         batch = requests.post(s.base + "/v1/batches", json=spec, timeout=60).json()

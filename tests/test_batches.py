@@ -43,9 +43,13 @@ def bstack(make_module_stack):
     # more lines than the workers' rows and half their reserve, tests/test_batch_reserve.py), so
     # that lines wait on the queue for interactive jobs to overtake.
     s = make_module_stack(
-        GENQ_API_KEYS=f"{ALICE},{BOB}", GENQ_MAX_BATCH_SIZE=str(CAPACITY), GENQ_BATCH_WINDOW=str(WINDOW),
-        GENQ_API_WORKERS="2", GENQ_MAX_FILE_BYTES=str(MAX_FILE), GENQ_RESERVED_SLOTS="0",
-    )  # fmt: skip
+        GENQ_API_KEYS=f"{ALICE},{BOB}",
+        GENQ_MAX_BATCH_SIZE=str(CAPACITY),
+        GENQ_BATCH_WINDOW=str(WINDOW),
+        GENQ_API_WORKERS="2",
+        GENQ_MAX_FILE_BYTES=str(MAX_FILE),
+        GENQ_RESERVED_SLOTS="0",
+    )
     s.start_api()
     s.start_worker()
     s.wait_ready(timeout=180)  # a busy machine loads even the tiny model slowly
@@ -72,7 +76,7 @@ def line(i: int, body: dict, url: str = "/v1/completions", custom_id: str | None
 
 
 def jsonl(lines: list) -> bytes:
-    return "".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines).encode()
+    return "".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines).encode()
 
 
 def prompt(i: int) -> str:
@@ -85,7 +89,7 @@ def wait_batch(client: openai.OpenAI, batch_id: str, until=None, timeout: float 
     deadline = time.monotonic() + timeout
     while True:
         batch = client.batches.retrieve(batch_id)
-        if (until(batch) if until else batch.status in ("completed", "failed", "expired", "cancelled")):
+        if until(batch) if until else batch.status in ("completed", "failed", "expired", "cancelled"):
             return batch
         assert time.monotonic() < deadline, f"batch {batch_id} still {batch.status} {batch.request_counts}"
         time.sleep(0.2)
@@ -94,7 +98,7 @@ def wait_batch(client: openai.OpenAI, batch_id: str, until=None, timeout: float 
 def read_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
-    return [json.loads(l) for l in client.files.content(file_id).text.splitlines() if l.strip()]
+    return [json.loads(ln) for ln in client.files.content(file_id).text.splitlines() if ln.strip()]
 
 
 def run_batch(stack, lines: list, key: str = ALICE, **kw):
@@ -156,8 +160,13 @@ def test_malformed_files_fail_or_error_per_line(bstack):
 
     # Lines that are JSON but not batch requests: the batch fails validation, each error with
     # its line, and runs nothing.
-    bad_shape = [line(0, good), {"method": "POST", "url": "/v1/completions", "body": good},
-                 line(2, good), line(3, good, custom_id="req-0"), {**line(4, good), "method": "GET"}]  # fmt: skip
+    bad_shape = [
+        line(0, good),
+        {"method": "POST", "url": "/v1/completions", "body": good},
+        line(2, good),
+        line(3, good, custom_id="req-0"),
+        {**line(4, good), "method": "GET"},
+    ]
     _, batch = run_batch(bstack, bad_shape)
     batch = wait_batch(client, batch.id)
     assert batch.status == "failed" and batch.failed_at and batch.output_file_id is None
@@ -191,18 +200,24 @@ def test_malformed_files_fail_or_error_per_line(bstack):
         "req-5": (404, "model_not_found"),
     }
     # What the completions route itself says to the same bodies.
-    for body, (status, code) in [({**good, "suffix": "!"}, codes["req-3"]), ({**good, "max_tokens": 0}, codes["req-2"])]:
+    for body, (status, code) in [
+        ({**good, "suffix": "!"}, codes["req-3"]),
+        ({**good, "max_tokens": 0}, codes["req-2"]),
+    ]:
         resp = requests.post(bstack.base + "/v1/completions", json=body, headers=auth(), timeout=60)
         assert (resp.status_code, resp.json()["error"]["code"]) == (status, code)
 
     # Requests that are wrong as a whole are 4xx with a JSON error.
-    for bad, status in [({"input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "24h"}, 404),
-                        ({"input_file_id": "x", "endpoint": "/v1/embeddings", "completion_window": "24h"}, 400),
-                        ({"input_file_id": "x", "endpoint": "/v1/completions", "completion_window": "1h"}, 400)]:  # fmt: skip
+    for bad, status in [
+        ({"input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "24h"}, 404),
+        ({"input_file_id": "x", "endpoint": "/v1/embeddings", "completion_window": "24h"}, 400),
+        ({"input_file_id": "x", "endpoint": "/v1/completions", "completion_window": "1h"}, 400),
+    ]:
         resp = requests.post(bstack.base + "/v1/batches", json=bad, headers=auth(), timeout=30)
         assert resp.status_code == status and resp.json()["error"]["code"], resp.text
-    resp = requests.post(bstack.base + "/v1/files", data={"purpose": "fine-tune"}, files={"file": b"{}\n"},
-                         headers=auth(), timeout=30)  # fmt: skip
+    resp = requests.post(
+        bstack.base + "/v1/files", data={"purpose": "fine-tune"}, files={"file": b"{}\n"}, headers=auth(), timeout=30
+    )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "purpose"
     # Past GENQ_MAX_FILE_BYTES: just past it (seen while reading), and far past it (the body).
     row = json.dumps(line(0, good)) + "\n"
@@ -258,7 +273,9 @@ def test_interactive_jobs_overtake_waiting_batch_lines(bstack, r):
         assert time.monotonic() < deadline, "the batch never filled its window"
         time.sleep(0.05)
     waiting = r.zrange(queued_key, 0, -1)  # batch lines on the queue, not started
-    resp = requests.post(bstack.base + "/v1/jobs", json={"prompt": "urgent", "max_new_tokens": 4}, headers=auth(), timeout=30)
+    resp = requests.post(
+        bstack.base + "/v1/jobs", json={"prompt": "urgent", "max_new_tokens": 4}, headers=auth(), timeout=30
+    )
     job_id = resp.json()["id"]
     job = requests.get(bstack.base + f"/v1/jobs/{job_id}?wait=120", headers=auth(), timeout=150).json()
     assert job["status"] == "succeeded"
@@ -298,7 +315,7 @@ def test_a_batch_survives_a_worker_kill(make_stack, reference, r):
     n, tokens = 80, 32
     s = make_stack(
         GENQ_API_KEYS=ALICE, GENQ_MAX_BATCH_SIZE=str(CAPACITY), GENQ_BATCH_WINDOW=str(WINDOW), **DEFAULT_BEAT
-    )  # fmt: skip
+    )
     try:
         s.start_api()
         workers = [s.start_worker() for _ in range(2)]
@@ -365,9 +382,14 @@ def test_files_and_batches_belong_to_their_key(bstack):
     body = {"model": bstack.name, "prompt": "mine", "max_tokens": 2}
     _, batch = run_batch(bstack, [line(0, body)], key=ALICE)
     f = batch.input_file_id
-    for call in (lambda: bob.files.retrieve(f), lambda: bob.files.content(f), lambda: bob.files.delete(f),
-                 lambda: bob.batches.retrieve(batch.id), lambda: bob.batches.cancel(batch.id),
-                 lambda: bob.batches.create(input_file_id=f, endpoint="/v1/completions", completion_window="24h")):  # fmt: skip
+    for call in (
+        lambda: bob.files.retrieve(f),
+        lambda: bob.files.content(f),
+        lambda: bob.files.delete(f),
+        lambda: bob.batches.retrieve(batch.id),
+        lambda: bob.batches.cancel(batch.id),
+        lambda: bob.batches.create(input_file_id=f, endpoint="/v1/completions", completion_window="24h"),
+    ):
         with pytest.raises(openai.NotFoundError):
             call()
     assert batch.id not in [b.id for b in bob.batches.list().data]
@@ -394,23 +416,38 @@ def test_genq_client_and_cli_against_the_real_server(bstack, tmp_path):
     with Client(bstack.base, api_key=ALICE) as c:
         results = c.run_batch(
             [{"prompt": p, "max_tokens": 4, "temperature": 0} for p in prompts],
-            model=bstack.name, progress=False, poll_interval=0.2, timeout=240,
-        )  # fmt: skip
+            model=bstack.name,
+            progress=False,
+            poll_interval=0.2,
+            timeout=240,
+        )
     assert [x["custom_id"] for x in results] == [f"request-{i}" for i in range(12)]
     texts = [x["response"]["body"]["choices"][0]["text"] for x in results]
     single = oai(bstack).completions.create(model=bstack.name, prompt=prompts, max_tokens=4, temperature=0)
     assert texts == [ch.text for ch in single.choices]
 
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_bytes(jsonl([line(i, {"model": bstack.name, "prompt": p, "max_tokens": 4, "temperature": 0})
-                           for i, p in enumerate(prompts[:5])]))  # fmt: skip
+    src.write_bytes(
+        jsonl(
+            [
+                line(i, {"model": bstack.name, "prompt": p, "max_tokens": 4, "temperature": 0})
+                for i, p in enumerate(prompts[:5])
+            ]
+        )
+    )
     genq = Path(sys.executable).parent / "genq"
     argv = [str(genq)] if genq.exists() else [sys.executable, "-m", "genqueue"]
     env = {**os.environ, "GENQ_URL": bstack.base, "GENQ_API_KEY": ALICE}
-    out = subprocess.run(argv + ["batch", str(src), "-o", str(dst), "--poll", "0.2", "--no-progress"],
-                         env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        argv + ["batch", str(src), "-o", str(dst), "--poll", "0.2", "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
-    got = [json.loads(l) for l in dst.read_text().splitlines()]
+    got = [json.loads(ln) for ln in dst.read_text().splitlines()]
     assert [g["custom_id"] for g in got] == [f"req-{i}" for i in range(5)]
     assert [g["response"]["body"]["choices"][0]["text"] for g in got] == texts[:5]
 
@@ -432,8 +469,14 @@ def test_the_window_leaves_room_for_interactive_jobs():
 
 
 def test_batch_lines_take_n_and_logprobs_as_the_completions_route(bstack):
-    body = {"model": bstack.name, "prompt": ["the river", "cold stone"], "max_tokens": 4, "temperature": 0,
-            "n": 2, "logprobs": 1}  # fmt: skip
+    body = {
+        "model": bstack.name,
+        "prompt": ["the river", "cold stone"],
+        "max_tokens": 4,
+        "temperature": 0,
+        "n": 2,
+        "logprobs": 1,
+    }
     echo = {**body, "logprobs": None, "echo": True}
     client, batch = run_batch(bstack, [line(0, body), line(1, echo)])
     batch = wait_batch(client, batch.id)

@@ -12,9 +12,23 @@ DOC = stack.ROOT / "docs" / "scaling.md"
 
 def test_bench_scaling_quick_run():
     before = digest(DOC)
-    rc, out, err = run_bench("bench.scaling", "--workers", "1,2", "--api-workers", "1", "--duration", "1",
-                             "--load-procs", "1", "--clients-per-worker", "4", "--no-write", "--retries", "0",
-                             timeout=180)
+    rc, out, err = run_bench(
+        "bench.scaling",
+        "--workers",
+        "1,2",
+        "--api-workers",
+        "1",
+        "--duration",
+        "1",
+        "--load-procs",
+        "1",
+        "--clients-per-worker",
+        "4",
+        "--no-write",
+        "--retries",
+        "0",
+        timeout=180,
+    )
     assert rc == 0, f"exit {rc}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
     rows = table_rows(out, "## Jobs/s, queue time and Redis commands")
     assert [(r[0], r[1], r[2]) for r in rows] == [("1", "1", "4"), ("2", "1", "8")], rows

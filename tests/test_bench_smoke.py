@@ -12,9 +12,28 @@ DOC = stack.ROOT / "docs" / "benchmarks.md"
 
 def test_bench_quick_run(tiny_model, redis_url):
     before = digest(DOC)
-    rc, out, err = run_bench("bench.run", "--model", "tiny", "--levels", "1,2", "--duration", "1", "--reps", "1",
-                             "--echo-api-workers", "1", "--echo-duration", "1", "--no-write", "--quiet-wait", "0",
-                             "--retries", "0", timeout=240, env={"REDIS_URL": redis_url})
+    rc, out, err = run_bench(
+        "bench.run",
+        "--model",
+        "tiny",
+        "--levels",
+        "1,2",
+        "--duration",
+        "1",
+        "--reps",
+        "1",
+        "--echo-api-workers",
+        "1",
+        "--echo-duration",
+        "1",
+        "--no-write",
+        "--quiet-wait",
+        "0",
+        "--retries",
+        "0",
+        timeout=240,
+        env={"REDIS_URL": redis_url},
+    )
     assert rc == 0, f"exit {rc}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
     api = table_rows(out, "## 1. API path")
     assert [r[0] for r in api] == ["1", "2"]
@@ -26,5 +45,7 @@ def test_bench_quick_run(tiny_model, redis_url):
     assert float(table_rows(out, "## 4. API memory")[0][1]) > 0
     assert "- **N/A** throughput at 32 clients" in out  # level 32 is not measured in a quick run
     for target in ("latency at 1 client", "echo engine through the API", "API memory"):
-        assert any(line.startswith(("- **PASS** " + target, "- **FAIL** " + target)) for line in out.splitlines()), target
+        assert any(line.startswith(("- **PASS** " + target, "- **FAIL** " + target)) for line in out.splitlines()), (
+            target
+        )
     assert digest(DOC) == before, "--no-write must not touch docs/benchmarks.md"

@@ -12,9 +12,22 @@ DOC = stack.ROOT / "docs" / "benchmarks-streaming.md"
 
 def test_bench_stream_quick_run(tiny_model, redis_url):
     before = digest(DOC)
-    rc, out, err = run_bench("bench.stream", "--model", "tiny", "--levels", "1,2", "--duration", "1",
-                             "--prefill-reps", "1", "--no-write", "--retries", "0", timeout=240,
-                             env={"REDIS_URL": redis_url})
+    rc, out, err = run_bench(
+        "bench.stream",
+        "--model",
+        "tiny",
+        "--levels",
+        "1,2",
+        "--duration",
+        "1",
+        "--prefill-reps",
+        "1",
+        "--no-write",
+        "--retries",
+        "0",
+        timeout=240,
+        env={"REDIS_URL": redis_url},
+    )
     assert rc == 0, f"exit {rc}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
     streams = table_rows(out, "## Streaming through the API")
     assert [r[0] for r in streams] == ["1", "2"]
@@ -24,5 +37,7 @@ def test_bench_stream_quick_run(tiny_model, redis_url):
     parts = table_rows(out, "## Where the time to first token goes")
     assert [r[0] for r in parts] == ["1", "2"] and all(int(r[-1]) > 0 for r in parts), parts
     assert float(table_rows(out, "## In-process reference")[0][1]) > 0
-    assert any(line.startswith(("- **PASS** TTFT at 1 stream", "- **FAIL** TTFT at 1 stream")) for line in out.splitlines())
+    assert any(
+        line.startswith(("- **PASS** TTFT at 1 stream", "- **FAIL** TTFT at 1 stream")) for line in out.splitlines()
+    )
     assert digest(DOC) == before, "--no-write must not touch docs/benchmarks-streaming.md"

@@ -10,8 +10,26 @@ from tests.helpers import run_bench, table_rows
 
 def test_bench_vllm_hf_quick_run(tiny_model, redis_url, tmp_path):
     page = tmp_path / "benchmarks-vllm.md"
-    argv = ["--model", "tiny", "--systems", "hf", "--levels", "1,2", "--duration", "1", "--retries", "0",
-            "--dtypes", "auto", "--quiet-wait", "0", "--chat-clients", "2", "--out", str(page)]
+    argv = [
+        "--model",
+        "tiny",
+        "--systems",
+        "hf",
+        "--levels",
+        "1,2",
+        "--duration",
+        "1",
+        "--retries",
+        "0",
+        "--dtypes",
+        "auto",
+        "--quiet-wait",
+        "0",
+        "--chat-clients",
+        "2",
+        "--out",
+        str(page),
+    ]
     rc, out, err = run_bench("bench.vllm", *argv, timeout=240, env={"REDIS_URL": redis_url})
     assert rc == 0, f"exit {rc}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
     doc = page.read_text()
@@ -24,20 +42,47 @@ def test_bench_vllm_hf_quick_run(tiny_model, redis_url, tmp_path):
 
 
 def level(clients: int, rate: float, p50: float) -> dict:
-    return {"clients": clients, "requests": 10, "rate": rate, "p50": p50, "p90": p50, "p99": p50, "errors": 0,
-            "capped": False, "cpu": {"other": 0.0}, "jobs": {"queued_s": 0.01, "batch_size_mean": clients}}
+    return {
+        "clients": clients,
+        "requests": 10,
+        "rate": rate,
+        "p50": p50,
+        "p90": p50,
+        "p99": p50,
+        "errors": 0,
+        "capped": False,
+        "cpu": {"other": 0.0},
+        "jobs": {"queued_s": 0.01, "batch_size_mean": clients},
+    }
 
 
 def test_page_goals_and_ratios():
     system = {"dtype": "float32", "dtype_why": "rule", "startup_s": 1, "text": "x", "env": {}, "command": "vllm"}
-    res = {"command": "python -m bench.vllm", "date": "2026-01-01 00:00 UTC", "elapsed_s": 60,
-           "machine": {"nproc": 2, "cpu_model": "cpu", "ram_gib": 1, "kernel": "k", "python": "3",
-                       "loadavg_start": [0, 0, 0]}, "loadavg_end": [0, 0, 0], "cpu": {"auto": "float32", "auto_why": "-"},
-           "args": {"duration": 1, "min_requests": 3, "api_workers": 1, "chat_clients": 0}, "hf_env": "-",
-           "vllm_env": "-", "model_dir": ".models/x", "params_m": 1.0,
-           "systems": {"hf": {**system, "levels": [level(10, 3.0, 1.0), level(32, 5.0, 2.0)]},
-                       "vllm": {**system, "levels": [level(10, 2.0, 1.0), level(32, 4.0, 3.0)]},
-                       "server": {**system, "levels": [level(10, 2.5, 1.0), level(32, 4.0, 2.0)]}}}
+    res = {
+        "command": "python -m bench.vllm",
+        "date": "2026-01-01 00:00 UTC",
+        "elapsed_s": 60,
+        "machine": {
+            "nproc": 2,
+            "cpu_model": "cpu",
+            "ram_gib": 1,
+            "kernel": "k",
+            "python": "3",
+            "loadavg_start": [0, 0, 0],
+        },
+        "loadavg_end": [0, 0, 0],
+        "cpu": {"auto": "float32", "auto_why": "-"},
+        "args": {"duration": 1, "min_requests": 3, "api_workers": 1, "chat_clients": 0},
+        "hf_env": "-",
+        "vllm_env": "-",
+        "model_dir": ".models/x",
+        "params_m": 1.0,
+        "systems": {
+            "hf": {**system, "levels": [level(10, 3.0, 1.0), level(32, 5.0, 2.0)]},
+            "vllm": {**system, "levels": [level(10, 2.0, 1.0), level(32, 4.0, 3.0)]},
+            "server": {**system, "levels": [level(10, 2.5, 1.0), level(32, 4.0, 2.0)]},
+        },
+    }
     goals = dict((s, v) for v, s in vllm.verdicts(res))
     assert goals["hf engine, req/s at 10 clients: 3.00 / 2.50 = 1.20 x (goal >= 1.0 x)"] == "PASS"
     assert goals["hf engine, req/s at 32 clients: 5.00 / 4.00 = 1.25 x (goal >= 1.2 x)"] == "PASS"

@@ -13,9 +13,9 @@ import pytest
 import redis
 from celery import signals
 
+from tasks import keys
 from tasks.celery_app import GENERATE_TASK, job_message, make_sender, publish_job
 from tasks.config import Settings
-from tasks import keys
 from tasks.jobs import JobStore
 from tasks.schemas import JobSpec, SamplingParams
 
@@ -33,8 +33,15 @@ def r(redis_url):
 
 
 def spec(priority=0, deadline=None, owner=None, **params) -> JobSpec:
-    return JobSpec(id=str(uuid.uuid4()), model="m", prompt="Hello, I am", params=SamplingParams(**params),
-                   priority=priority, deadline=deadline, owner=owner)
+    return JobSpec(
+        id=str(uuid.uuid4()),
+        model="m",
+        prompt="Hello, I am",
+        params=SamplingParams(**params),
+        priority=priority,
+        deadline=deadline,
+        owner=owner,
+    )
 
 
 @pytest.mark.parametrize("kind", ["default", "urgent-owned", "background-deadline"])
@@ -80,8 +87,17 @@ def test_publish_signals_are_sent_as_send_task_sends_them(sender):
         assert [s for s, _ in seen] == ["before"] and seen[0][1]["sender"] == GENERATE_TASK
         assert json.loads(message.payload)["headers"]["stamped"] == "yes"
         message.published()
-        assert seen[1] == ("after", {"sender": GENERATE_TASK, "id": job.id, "headers": message.headers,
-                                     "exchange": "", "routing_key": "genq.q", "signal": signals.after_task_publish})
+        assert seen[1] == (
+            "after",
+            {
+                "sender": GENERATE_TASK,
+                "id": job.id,
+                "headers": message.headers,
+                "exchange": "",
+                "routing_key": "genq.q",
+                "signal": signals.after_task_publish,
+            },
+        )
     finally:
         signals.before_task_publish.disconnect(before)
         signals.after_task_publish.disconnect(after)

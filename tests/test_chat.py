@@ -10,7 +10,6 @@ from pathlib import Path
 import openai
 import pytest
 
-
 TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -51,9 +50,10 @@ def chat_reference(tiny_model):
     def complete(messages, max_new_tokens: int, **kw) -> str:
         prompt = torch.tensor([ids(messages, **kw)])
         with torch.inference_mode():
-            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
-                                 do_sample=False)
-        return tok.decode(out[0, prompt.shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, do_sample=False
+            )
+        return tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True)
 
     complete.ids = ids
     complete.tok = tok
@@ -61,8 +61,9 @@ def chat_reference(tiny_model):
 
 
 def test_chat_completion_is_the_rendered_template_generated(client, chat_stack, chat_reference):
-    out = client.chat.completions.create(model=chat_stack.name, messages=MESSAGES, max_tokens=12, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(
+        model=chat_stack.name, messages=MESSAGES, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-") and out.model == chat_stack.name
     (choice,) = out.choices
     assert choice.message.role == "assistant"
@@ -71,16 +72,18 @@ def test_chat_completion_is_the_rendered_template_generated(client, chat_stack, 
     assert out.usage.prompt_tokens == len(chat_reference.ids(MESSAGES))  # no second BOS
     # Text parts are joined as one string; max_completion_tokens is max_tokens.
     parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
-    again = client.chat.completions.create(model=chat_stack.name, messages=parts, max_completion_tokens=12,
-                                           temperature=0, extra_body={"ignore_eos": True})
+    again = client.chat.completions.create(
+        model=chat_stack.name, messages=parts, max_completion_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert again.choices[0].message.content == choice.message.content
 
 
 def test_continue_final_message(client, chat_stack, chat_reference):
     messages = [*MESSAGES, {"role": "assistant", "content": "Blue and"}]
     kw = {"add_generation_prompt": False, "continue_final_message": True}
-    out = client.chat.completions.create(model=chat_stack.name, messages=messages, max_tokens=6, temperature=0,
-                                         extra_body={"ignore_eos": True, **kw})
+    out = client.chat.completions.create(
+        model=chat_stack.name, messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True, **kw}
+    )
     assert out.choices[0].message.content == chat_reference(messages, 6, **kw)
 
 
@@ -109,17 +112,23 @@ def test_n_choices_logprobs_and_the_stream(client, chat_stack):
 
 def test_unimplemented_fields_are_refused_by_name(client, chat_stack):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    for field, value in (("tools", tools), ("prediction", {"type": "content", "content": "x"}), ("modalities", ["audio"])):
+    for field, value in (
+        ("tools", tools),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("modalities", ["audio"]),
+    ):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=chat_stack.name, messages=MESSAGES, **{field: value})
         assert info.value.body["param"] == field and info.value.code == "unsupported_parameter"
     # Neutral values, as clients send them, change nothing.
-    out = client.chat.completions.create(model=chat_stack.name, messages=MESSAGES, max_tokens=2, tools=None,
-                                         response_format={"type": "text"})
+    out = client.chat.completions.create(
+        model=chat_stack.name, messages=MESSAGES, max_tokens=2, tools=None, response_format={"type": "text"}
+    )
     assert out.usage.completion_tokens <= 2
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=chat_stack.name, messages=[{"role": "tool", "content": "x",
-                                                                         "tool_call_id": "1"}])
+        client.chat.completions.create(
+            model=chat_stack.name, messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]
+        )
     assert info.value.body["param"].startswith("messages.0")
 
 
@@ -149,19 +158,45 @@ def test_a_chat_line_in_a_batch_and_the_client(chat_stack, chat_reference, tmp_p
     with Client(chat_stack.base) as c:
         rows = c.run_batch([good, bad], model=chat_stack.name, endpoint="/v1/chat/completions", progress=False)
         assert c.chat(MESSAGES, model=chat_stack.name, max_tokens=8, temperature=0, ignore_eos=True) == (
-            chat_reference(MESSAGES, 8))
+            chat_reference(MESSAGES, 8)
+        )
     body = rows[0]["response"]["body"]
-    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == chat_reference(MESSAGES, 8)
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == chat_reference(
+        MESSAGES, 8
+    )
     assert rows[1]["response"]["status_code"] == 400 and rows[1]["response"]["body"]["error"]["param"] == "tools"
     # genq batch takes the endpoint from the file's lines; genq chat prints the reply.
     path = tmp_path / "chat.jsonl"
-    path.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-                                "body": {"model": chat_stack.name, **good}}) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "custom_id": "a",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": chat_stack.name, **good},
+            }
+        )
+        + "\n"
+    )
     assert main(["batch", str(path), "--url", chat_stack.base, "--no-progress"]) == 0
     (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert line["response"]["body"]["choices"][0]["message"]["content"] == chat_reference(MESSAGES, 8)
-    argv = ["chat", "Name a colour.", "--system", "You are terse.", "--url", chat_stack.base, "--model", chat_stack.name,
-            "--max-tokens", "8", "--temperature", "0", "--param", "ignore_eos=true"]
+    argv = [
+        "chat",
+        "Name a colour.",
+        "--system",
+        "You are terse.",
+        "--url",
+        chat_stack.base,
+        "--model",
+        chat_stack.name,
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--param",
+        "ignore_eos=true",
+    ]
     assert main(argv) == 0
     assert capsys.readouterr().out == chat_reference(MESSAGES, 8) + "\n"
 

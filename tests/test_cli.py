@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from fake_batch import FakeBatchServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,9 +26,14 @@ def genq(*args: str, env: dict | None = None, stdin: str | None = None) -> subpr
     base = {k: v for k, v in os.environ.items() if k not in ("GENQ_URL", "GENQ_API_KEY")}
     argv = [str(GENQ)] if GENQ.exists() else [sys.executable, "-m", "genqueue"]
     return subprocess.run(
-        argv + list(args), env={**base, **(env or {})}, input=stdin, capture_output=True, text=True,
-        timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        argv + list(args),
+        env={**base, **(env or {})},
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
 def test_console_script_exists():
@@ -45,9 +49,13 @@ def test_help_and_usage_errors():
         out = genq(cmd, "--help")
         assert out.returncode == 0 and f"usage: genq {cmd}" in out.stdout, cmd
     usage_errors = [
-        [], ["submit"], ["get"], ["frobnicate"], ["submit", "x", "--wait", "--stream"],
+        [],
+        ["submit"],
+        ["get"],
+        ["frobnicate"],
+        ["submit", "x", "--wait", "--stream"],
         ["submit", "x", "--max-new-tokens", "many"],
-    ]  # fmt: skip
+    ]
     for args in usage_errors:
         out = genq(*args)
         assert out.returncode == 2, (args, out.stderr)
@@ -175,8 +183,9 @@ def test_batch_writes_the_output_in_input_order(tmp_path):
 
 def test_stream_reattaches_to_a_running_job(hf_stack):
     """`genq stream ID` follows a job someone else submitted: the tokens so far, then the rest."""
-    job_id = genq("--url", hf_stack.base, "submit", "Once upon a time", "--max-new-tokens", "120",
-                  "--param", "ignore_eos=true").stdout.strip()
+    job_id = genq(
+        "--url", hf_stack.base, "submit", "Once upon a time", "--max-new-tokens", "120", "--param", "ignore_eos=true"
+    ).stdout.strip()
     out = genq("--url", hf_stack.base, "stream", job_id)
     assert out.returncode == 0, out.stderr
     job = hf_stack.get(f"/v1/jobs/{job_id}?wait=60").json()

@@ -18,6 +18,7 @@ import threading
 
 import httpx
 import pytest
+from conftest import IDLE_STACK_KEY as KEY  # noqa: E402
 from fake_batch import FakeBatchServer
 
 from genqueue import (
@@ -35,8 +36,6 @@ from genqueue import (
     WaitTimeout,
     result_text,
 )
-
-from conftest import IDLE_STACK_KEY as KEY  # noqa: E402
 
 
 @pytest.fixture
@@ -260,13 +259,19 @@ def canned(*bodies: bytes):
 
 def test_stream_restart_marker_and_transient_errors():
     transport, seen = canned(
-        sse(("token", "0", {"index": 0, "text": "a"}), ("token", "1", {"index": 1, "text": "b"}),
-            ("restart", None, {"attempt": 2, "message": "started over"}), ("token", "2:0", {"index": 0, "text": "x"})),
+        sse(
+            ("token", "0", {"index": 0, "text": "a"}),
+            ("token", "1", {"index": 1, "text": "b"}),
+            ("restart", None, {"attempt": 2, "message": "started over"}),
+            ("token", "2:0", {"index": 0, "text": "x"}),
+        ),
         # ended without `done`: reconnect; Redis briefly gone: reconnect
         sse(("error", None, {"error": {"code": "broker_unavailable", "message": "Redis is down"}})),
-        sse(("token", "2:1", {"index": 1, "text": "y"}),
-            ("done", "2:2", {"text": "", "finish_reason": "stop", "usage": {"completion_tokens": 2}})),
-    )  # fmt: skip
+        sse(
+            ("token", "2:1", {"index": 1, "text": "y"}),
+            ("done", "2:2", {"text": "", "finish_reason": "stop", "usage": {"completion_tokens": 2}}),
+        ),
+    )
     with Client("http://genq.test", transport=transport) as c:
         stream = c.stream("job1")
         out = list(stream)
@@ -336,9 +341,11 @@ def test_run_batch_rows_in_input_order_with_progress(fake_batch, capsys):
     assert all(auth == f"Bearer {KEY}" for _, _, auth in fake_batch.requests)
     (uploaded,) = [f for f in fake_batch.files.values() if f.get("purpose") == "batch"]
     assert uploaded["_lines"][0] == {
-        "body": {"model": "tiny", "prompt": "prompt 0"}, "custom_id": "request-0", "method": "POST",
+        "body": {"model": "tiny", "prompt": "prompt 0"},
+        "custom_id": "request-0",
+        "method": "POST",
         "url": "/v1/completions",
-    }  # fmt: skip
+    }
 
 
 def test_run_batch_from_a_file(fake_batch, tmp_path):

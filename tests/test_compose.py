@@ -19,7 +19,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -321,7 +320,8 @@ def test_every_setting_reaches_the_containers_from_env_or_dotenv(services):
         for key, value in env.items():
             if key.startswith("GENQ_") and key not in FIXED and value is not None:
                 assert "${" + key in str(value) or key in ("GENQ_ENGINE", "GENQ_MODEL_NAME", "GENQ_API_KEYS_FILE"), (
-                    f"{service}: {key} is fixed at {value!r}; .env could not change it")
+                    f"{service}: {key} is fixed at {value!r}; .env could not change it"
+                )
 
 
 def test_vllm_engine_settings_go_to_vllm():
@@ -462,6 +462,7 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
     """Whether Docker leaves `path` out of the build context: the last pattern that matches
     it or a folder above it decides (`!` keeps); `*` and `?` stay within a path segment, `**`
     spans any number of them (Docker's fileutils)."""
+
     def regex(pattern: str) -> re.Pattern:
         out, i = "", 0
         while i < len(pattern):
@@ -487,13 +488,27 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
 
 
 def test_dockerignore_keeps_local_state_and_secrets_out_and_the_code_in():
-    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
-                if line.strip() and not line.lstrip().startswith("#")]
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     # The virtualenvs (vLLM's is ~450 MB), make run's Redis AOF (prompts and results), models,
     # keys and .env files, caches, the git history.
-    for path in (".git/HEAD", ".venv/bin/python", ".venv-vllm/bin/python", ".data/redis/appendonly.aof",
-                 ".models/tiny-opt/config.json", ".env", "secrets/api_keys", "webapp/__pycache__/auth.cpython-311.pyc",
-                 ".pytest_cache/v/cache", ".hypothesis/examples", "bench/out/x.json", "in.jsonl"):
+    for path in (
+        ".git/HEAD",
+        ".venv/bin/python",
+        ".venv-vllm/bin/python",
+        ".data/redis/appendonly.aof",
+        ".models/tiny-opt/config.json",
+        ".env",
+        "secrets/api_keys",
+        "webapp/__pycache__/auth.cpython-311.pyc",
+        ".pytest_cache/v/cache",
+        ".hypothesis/examples",
+        "bench/out/x.json",
+        "in.jsonl",
+    ):
         assert dockerignored(path, patterns), path
     # Whatever git ignores here is local state too.
     proc = subprocess.run(["git", "status", "--ignored", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True)

@@ -241,7 +241,10 @@ def test_arch_checkpoint_loads_as_that_architecture_with_a_chat_template(tmp_pat
     assert devmodels.is_built(out, "tiny", arch="llama") and not devmodels.is_built(out, "tiny")
     assert json.loads((out / devmodels.MARKER_NAME).read_text())["arch"] == "llama"
     tok = AutoTokenizer.from_pretrained(out)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == "</s><|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\n"
     assert devmodels.main(["--shape", "tiny", "--arch", "llama", "--out", str(out)]) == 0  # up to date

@@ -62,10 +62,14 @@ def test_bfloat16_keeps_to_the_stated_tolerance(tiny_model, reference):
     try:
         assert eng.lm.dtype == torch.bfloat16
         futures = {
-            (p, n): eng.submit(JobSpec(id=f"bf16-{n}-{i}", model="tiny", prompt=p,
-                                       params=SamplingParams(max_new_tokens=n, ignore_eos=True)))
-            for n in (8, 32) for i, p in enumerate(PROMPTS)
-        }  # fmt: skip
+            (p, n): eng.submit(
+                JobSpec(
+                    id=f"bf16-{n}-{i}", model="tiny", prompt=p, params=SamplingParams(max_new_tokens=n, ignore_eos=True)
+                )
+            )
+            for n in (8, 32)
+            for i, p in enumerate(PROMPTS)
+        }
         texts = {key: f.result(timeout=120).text for key, f in futures.items()}
     finally:
         eng.close()

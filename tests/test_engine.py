@@ -29,7 +29,6 @@ def job(prompt: str, **params) -> JobSpec:
 job.n = 0
 
 
-
 def test_mixed_lengths_and_staggered_arrivals_match_generate(engine, reference):
     futures = []
     for i, prompt in enumerate(PROMPTS):
@@ -182,7 +181,9 @@ def penalized_greedy(logits, prompt_ids: list[int], n: int, presence: float, fre
 def test_presence_and_frequency_penalties_match_a_direct_computation(engine, hf):
     tok, generate, logits = hf
     cases = [(PROMPTS[0], 1.5, 0.0), (PROMPTS[3], 0.0, 1.2), (PROMPTS[5], 0.8, 0.8), (PROMPTS[7], -1.0, 0.5)]
-    futures = [engine.submit(job(p, max_new_tokens=20, presence_penalty=pp, frequency_penalty=fp)) for p, pp, fp in cases]
+    futures = [
+        engine.submit(job(p, max_new_tokens=20, presence_penalty=pp, frequency_penalty=fp)) for p, pp, fp in cases
+    ]
     plain = [engine.submit(job(p, max_new_tokens=20)) for p, _, _ in cases]
     changed = 0
     for (prompt, pp, fp), fut, ref in zip(cases, futures, plain):
@@ -283,7 +284,10 @@ def test_streamed_logprobs_add_up_to_the_result(tiny_model):
     sink = RecordingSink()
     eng = HFEngine(Settings(model=str(tiny_model), max_batch_size=4), sink)
     try:
-        specs = [job(PROMPTS[0], max_new_tokens=20, logprobs=2, stop=["zz"]), job(PROMPTS[6], max_new_tokens=12, logprobs=0)]
+        specs = [
+            job(PROMPTS[0], max_new_tokens=20, logprobs=2, stop=["zz"]),
+            job(PROMPTS[6], max_new_tokens=12, logprobs=0),
+        ]
         futures = [eng.submit(s) for s in specs]
         for spec, fut in zip(specs, futures):
             result = fut.result(timeout=60)
@@ -327,11 +331,11 @@ def test_background_jobs_sit_steps_out_while_foreground_jobs_run(tiny_model, hf)
     sink = OrderedSink()
     eng = HFEngine(Settings(model=str(tiny_model), max_batch_size=6, background_step_every=4), sink)
     try:
+
         def spec(prompt, priority, n, **params):
             return job(prompt, max_new_tokens=n, **params).model_copy(update={"priority": priority})
 
-        background = [spec(PROMPTS[0], 4, 60), spec(PROMPTS[3], 1, 60, repetition_penalty=1.3),
-                      spec(PROMPTS[5], 4, 60)]  # fmt: skip
+        background = [spec(PROMPTS[0], 4, 60), spec(PROMPTS[3], 1, 60, repetition_penalty=1.3), spec(PROMPTS[5], 4, 60)]
         back = [eng.submit(s) for s in background]
         deadline = time.monotonic() + 60
         while min(sink.count(s.id) for s in background) < 3:  # all three are running
@@ -373,8 +377,10 @@ def test_a_foreground_job_preempts_a_background_row_which_goes_on_exactly(tiny_m
     pen = dict(presence_penalty=1.5, frequency_penalty=1.5)
     try:
         assert (eng.capacity, eng.reserved) == (4, 1)
-        background = [job(p, max_new_tokens=40, **(pen if p == "a" else {})).model_copy(update={"priority": 4})
-                      for p in PROMPTS[:4]]  # fmt: skip
+        background = [
+            job(p, max_new_tokens=40, **(pen if p == "a" else {})).model_copy(update={"priority": 4})
+            for p in PROMPTS[:4]
+        ]
         back = [eng.submit(s) for s in background]
         deadline = time.monotonic() + 60
         while min(sink.count(s.id) for s in background) < 3:  # all four run

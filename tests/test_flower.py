@@ -25,8 +25,9 @@ def test_flower_sees_a_task_when_events_are_on(make_stack):
     port = stackmod.free_port()
     base = f"http://127.0.0.1:{port}"
     argv = [*stackmod.flower_argv(), f"--port={port}", "--address=127.0.0.1"]
-    flower = stackmod.Proc("flower", argv, {**s.env, "FLOWER_BASIC_AUTH": ":".join(AUTH)},
-                           s.logs / f"{s.name}-flower.log")
+    flower = stackmod.Proc(
+        "flower", argv, {**s.env, "FLOWER_BASIC_AUTH": ":".join(AUTH)}, s.logs / f"{s.name}-flower.log"
+    )
     try:
         stackmod.wait_until(lambda: stackmod.http_get(base + "/healthcheck")[0] == 200, 60, "Flower", [flower])
         assert requests.get(base + "/api/tasks", timeout=10).status_code == 401

@@ -42,7 +42,7 @@ def no_server_fault(ctx, response, case):
         error = json.loads(response.content)["error"]
         code = error["code"]
     except (ValueError, KeyError, TypeError):
-        raise AssertionError(f"{response.status_code} without a JSON error body: {response.content[:300]!r}")
+        raise AssertionError(f"{response.status_code} without a JSON error body: {response.content[:300]!r}") from None
     if response.status_code >= 500 and (response.status_code, code) not in EXPECTED_5XX:
         raise AssertionError(f"server error {response.status_code} {code}: {error.get('message')}")
     return None
@@ -59,8 +59,13 @@ def fuzz(schema, base: str, mode: GenerationMode) -> list[str]:
         op = result.ok()
 
         @given(case=op.as_strategy(generation_mode=mode))
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         def run(case):
             case.call_and_validate(base_url=base, checks=MODES[mode], timeout=60)
 
@@ -99,26 +104,53 @@ NASTY = [
     ("NaN", b'{"prompt": "x", "temperature": NaN}', "application/json", 400, "invalid_json"),
     ("Infinity", b'{"prompt": "x", "timeout_s": Infinity}', "application/json", 400, "invalid_json"),
     ("-Infinity", b'{"prompt": "x", "deadline": -Infinity}', "application/json", 400, "invalid_json"),
-    ("integer past 2^63", b'{"prompt": "x", "seed": 9223372036854775808}', "application/json", 400,
-     "invalid_request"),
-    ("integer far past 2^63", b'{"prompt": "x", "max_new_tokens": 1' + b"0" * 100 + b"}", "application/json",
-     400, "invalid_request"),
-    ("priority past 2^63", b'{"prompt": "x", "priority": -99999999999999999999}', "application/json", 400,
-     "invalid_request"),
-    ("a 10,000-digit number", b'{"prompt": "x", "seed": 1' + b"0" * 10_000 + b"}", "application/json", 400,
-     "invalid_json"),
+    ("integer past 2^63", b'{"prompt": "x", "seed": 9223372036854775808}', "application/json", 400, "invalid_request"),
+    (
+        "integer far past 2^63",
+        b'{"prompt": "x", "max_new_tokens": 1' + b"0" * 100 + b"}",
+        "application/json",
+        400,
+        "invalid_request",
+    ),
+    (
+        "priority past 2^63",
+        b'{"prompt": "x", "priority": -99999999999999999999}',
+        "application/json",
+        400,
+        "invalid_request",
+    ),
+    (
+        "a 10,000-digit number",
+        b'{"prompt": "x", "seed": 1' + b"0" * 10_000 + b"}",
+        "application/json",
+        400,
+        "invalid_json",
+    ),
     ("nested 100,000 deep", nested(100_000), "application/json", 400, "invalid_json"),
-    ("nested objects", b'{"prompt": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b"}", "application/json",
-     400, "invalid_json"),
-    ("a 1 MiB prompt of one token", b'{"prompt": "' + b"a" * (1 << 20) + b'"}', "application/json", 413,
-     "request_entity_too_large"),
-    ("a prompt just under the body limit", b'{"prompt": "' + b"a" * ((1 << 20) - 100) + b'"}',
-     "application/json", 400, "prompt_too_long"),
+    (
+        "nested objects",
+        b'{"prompt": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b"}",
+        "application/json",
+        400,
+        "invalid_json",
+    ),
+    (
+        "a 1 MiB prompt of one token",
+        b'{"prompt": "' + b"a" * (1 << 20) + b'"}',
+        "application/json",
+        413,
+        "request_entity_too_large",
+    ),
+    (
+        "a prompt just under the body limit",
+        b'{"prompt": "' + b"a" * ((1 << 20) - 100) + b'"}',
+        "application/json",
+        400,
+        "prompt_too_long",
+    ),
     ("NUL in the prompt", b'{"prompt": "a\\u0000b"}', "application/json", 400, "invalid_request"),
-    ("NUL in a stop string", b'{"prompt": "ab", "stop": ["\\u0000"]}', "application/json", 400,
-     "invalid_request"),
-    ("duplicate keys", b'{"prompt": "a", "max_new_tokens": 2, "prompt": "b"}', "application/json", 400,
-     "invalid_json"),
+    ("NUL in a stop string", b'{"prompt": "ab", "stop": ["\\u0000"]}', "application/json", 400, "invalid_request"),
+    ("duplicate keys", b'{"prompt": "a", "max_new_tokens": 2, "prompt": "b"}', "application/json", 400, "invalid_json"),
     ("no Content-Type", b'{"prompt": "x"}', None, 415, "unsupported_media_type"),
     ("text/plain", b'{"prompt": "x"}', "text/plain", 415, "unsupported_media_type"),
     ("a form", b"prompt=x", "application/x-www-form-urlencoded", 415, "unsupported_media_type"),
@@ -181,9 +213,11 @@ def test_nasty_urls_and_headers_are_4xx_json(echo_stack):
 def test_garbage_on_the_socket_does_not_stop_the_server(echo_stack):
     """Bytes that are not HTTP at all, and a request cut off mid-body, on raw connections."""
     host, port = urlsplit(echo_stack.base).hostname, urlsplit(echo_stack.base).port
-    for payload in (b"\x00\xff\x16\x03\x01garbage\r\n\r\n",
-                    b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: 1000\r\n\r\n{\"prompt\": "):  # fmt: skip
+    for payload in (
+        b"\x00\xff\x16\x03\x01garbage\r\n\r\n",
+        b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"prompt": ',
+    ):
         with socket.create_connection((host, port), timeout=30) as s:
             s.sendall(payload)
             s.shutdown(socket.SHUT_WR)
@@ -224,8 +258,9 @@ def json_error(status: int, headers: dict, body: bytes) -> dict:
 
 
 def chunked(path: str, body: bytes, content_type: str = "application/json") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
-            "Transfer-Encoding: chunked\r\n\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode() + body
 
 
 # Chunked bodies framed wrongly (gunicorn's reader raises as the app reads them).
@@ -237,8 +272,12 @@ BAD_CHUNKS = [
     ("a bad chunk extension", b"3;\x01\r\nabc\r\n0\r\n\r\n"),
 ]
 # The routes that read a body: JSON ones and the multipart upload.
-BODY_PATHS = [("/v1/jobs", "application/json"), ("/v1/completions", "application/json"),
-              ("/v1/batches", "application/json"), ("/v1/files", "multipart/form-data; boundary=b")]
+BODY_PATHS = [
+    ("/v1/jobs", "application/json"),
+    ("/v1/completions", "application/json"),
+    ("/v1/batches", "application/json"),
+    ("/v1/files", "multipart/form-data; boundary=b"),
+]
 
 
 @pytest.mark.parametrize("name,body", BAD_CHUNKS, ids=[n for n, _ in BAD_CHUNKS])
@@ -251,8 +290,7 @@ def test_a_malformed_chunked_body_is_a_4xx_json_error(echo_stack, name, body):
     (first, *_) = raw_http(echo_stack, chunked("/v1/jobs", b"10\r\nabc"), half_close=True)
     assert first[0] == 400 and json_error(*first)
     # A route that does not read the body answers; gunicorn, draining it, answers a JSON 400 too.
-    ok, refused = raw_http(echo_stack, b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                           + body)  # fmt: skip
+    ok, refused = raw_http(echo_stack, b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
     assert ok[0] == 200 and json_error(*refused)["code"] == "bad_request"
     job_id = submit(echo_stack, prompt="after a bad chunk", max_new_tokens=2)
     assert echo_stack.get(f"/v1/jobs/{job_id}?wait=30").json()["status"] == "succeeded"
@@ -293,11 +331,15 @@ def test_batch_lines_no_job_could_take_are_refused_at_upload(echo_stack, name, b
     error = resp.json()["error"]
     assert (error["code"], error["line"]) == ("invalid_file", 2), error
     # A surrogate pair, and an escaped backslash before `ud800`, are text: taken, and run.
-    fine = batch_line(f'{{"model": "{echo_stack.name}", "prompt": "\\ud83d\\ude00 \\\\ud800", "max_tokens": 2}}', "pair")
+    fine = batch_line(
+        f'{{"model": "{echo_stack.name}", "prompt": "\\ud83d\\ude00 \\\\ud800", "max_tokens": 2}}', "pair"
+    )
     resp = upload(echo_stack, good + fine)
     assert resp.status_code == 200, resp.text[:300]
-    batch = echo_stack.post("/v1/batches", json={"input_file_id": resp.json()["id"], "endpoint": "/v1/completions",
-                                                 "completion_window": "24h"}).json()  # fmt: skip
+    batch = echo_stack.post(
+        "/v1/batches",
+        json={"input_file_id": resp.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"},
+    ).json()
     deadline = time.monotonic() + 60
     while batch["status"] not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -318,8 +360,10 @@ def test_a_file_id_with_a_suffix_is_the_404_of_an_unknown_id(echo_stack):
             assert {a.json()["error"]["code"] for a in answers} == {"not_found"}
         resp = echo_stack.http.delete(f"{echo_stack.base}/v1/files/{real}{suffix}", timeout=30)
         assert resp.status_code == 404, resp.text
-        resp = echo_stack.post("/v1/batches", json={"input_file_id": real + suffix, "endpoint": "/v1/completions",
-                                                    "completion_window": "24h"})  # fmt: skip
+        resp = echo_stack.post(
+            "/v1/batches",
+            json={"input_file_id": real + suffix, "endpoint": "/v1/completions", "completion_window": "24h"},
+        )
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found", resp.text
     assert echo_stack.get(f"/v1/files/{real}").status_code == 200
 
@@ -329,9 +373,12 @@ def test_invented_methods_and_paths_add_no_metric_series(echo_stack):
 
     def series() -> set[tuple]:
         text = echo_stack.get("/metrics").text
-        return {(s.name, tuple(sorted(s.labels.items())))
-                for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name.startswith("genq:api_")}  # fmt: skip
+        return {
+            (s.name, tuple(sorted(s.labels.items())))
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name.startswith("genq:api_")
+        }
 
     def invent(tag: str) -> None:
         for i in range(25):

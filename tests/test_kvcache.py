@@ -21,7 +21,10 @@ def prefill(widths: list[int]) -> tuple[DynamicCache, torch.Tensor, list[torch.T
     mask = torch.zeros(len(widths), width, dtype=torch.long)
     for r, w in enumerate(widths):
         mask[r, width - w :] = 1
-    layers = [(torch.randn(len(widths), HEADS, width, DIM), torch.randn(len(widths), HEADS, width, DIM)) for _ in range(LAYERS)]
+    layers = [
+        (torch.randn(len(widths), HEADS, width, DIM), torch.randn(len(widths), HEADS, width, DIM))
+        for _ in range(LAYERS)
+    ]
     real = [layers[0][0][r, :, width - w :] for r, w in enumerate(widths)]
     return DynamicCache(layers), mask, real
 

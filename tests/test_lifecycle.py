@@ -87,9 +87,7 @@ def test_make_run_launcher_serves_and_stops_everything_on_sigterm(tiny_model, tm
         )
     try:
         base = f"http://127.0.0.1:{port}"
-        stackmod.wait_until(
-            lambda: stackmod.http_get(base + "/readyz")[0] == 200, 60, "make run's stack"
-        )
+        stackmod.wait_until(lambda: stackmod.http_get(base + "/readyz")[0] == 200, 60, "make run's stack")
         resp = requests.post(base + "/basic_generate", json={"prompt": "Hello"}, timeout=60)
         assert resp.status_code == 200 and resp.json()["generated_text"].startswith("Hello")
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -145,9 +143,13 @@ class Launcher:
         env.update(GENQ_PORT=str(self.port), GENQ_API_WORKERS="1", GENQ_DATA_DIR=str(data_dir), **extra_env)
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                argv or [sys.executable, "-m", "scripts.stack"], cwd=stackmod.ROOT, env=env,
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                argv or [sys.executable, "-m", "scripts.stack"],
+                cwd=stackmod.ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")

@@ -354,7 +354,11 @@ def test_streaming_user_reports_ttft_itl_and_queue_time(result):
     assert all(e["exception"] is None for e in run["events"])
     assert run["events"][-1]["ms"] == 250.0
     assert result["jobs_queue"]["events"][-1] == {
-        "type": "QUEUE", "name": "queue time (job record)", "ms": 500.0, "exception": None}
+        "type": "QUEUE",
+        "name": "queue time (job record)",
+        "ms": 500.0,
+        "exception": None,
+    }
 
 
 def test_streaming_user_fails_a_stream_that_ends_in_an_error(result):
@@ -371,10 +375,32 @@ def test_headless_run_against_a_real_stack_writes_ttft_rows(hf_stack, tmp_path):
 
     prefix = tmp_path / "genq"
     popen = subprocess.Popen(
-        [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "4", "-r", "4",
-         "-t", "15s", "--host", hf_stack.base, "--csv", str(prefix), "--only-summary", "StreamingUser"],
-        cwd=REPO_ROOT, env=_child_env(GENQ_LOCUST_MAX_NEW_TOKENS="8"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(LOCUSTFILE),
+            "--headless",
+            "-u",
+            "4",
+            "-r",
+            "4",
+            "-t",
+            "15s",
+            "--host",
+            hf_stack.base,
+            "--csv",
+            str(prefix),
+            "--only-summary",
+            "StreamingUser",
+        ],
+        cwd=REPO_ROOT,
+        env=_child_env(GENQ_LOCUST_MAX_NEW_TOKENS="8"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     out, err, overran = communicate_or_stop(popen, timeout=90)
     assert not overran, err[-3000:]
@@ -401,10 +427,32 @@ def test_headless_completions_against_a_stack_with_api_keys(make_stack, tmp_path
     s.wait_ready()
     prefix = tmp_path / "genq"
     popen = subprocess.Popen(
-        [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "2", "-r", "2",
-         "-t", "4s", "--host", s.base, "--csv", str(prefix), "--only-summary", "CompletionsUser"],
-        cwd=REPO_ROOT, env=_child_env(GENQ_API_KEY=key, GENQ_LOCUST_MAX_NEW_TOKENS="4"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(LOCUSTFILE),
+            "--headless",
+            "-u",
+            "2",
+            "-r",
+            "2",
+            "-t",
+            "4s",
+            "--host",
+            s.base,
+            "--csv",
+            str(prefix),
+            "--only-summary",
+            "CompletionsUser",
+        ],
+        cwd=REPO_ROOT,
+        env=_child_env(GENQ_API_KEY=key, GENQ_LOCUST_MAX_NEW_TOKENS="4"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     out, err, overran = communicate_or_stop(popen, timeout=60)
     assert not overran, err[-3000:]

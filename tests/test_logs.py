@@ -17,13 +17,26 @@ from scripts import stack as stackmod
 def test_make_run_with_json_logs_writes_only_json_lines(tiny_model, redis_url, tmp_path):
     port = stackmod.free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_")}
-    env.update(REDIS_URL=redis_url, GENQ_PORT=str(port), GENQ_API_WORKERS="1", GENQ_ENGINE="echo",
-               GENQ_LOG_FORMAT="json", GENQ_HOST="0.0.0.0", GENQ_DATA_DIR=str(tmp_path / "data"),
-               GENQ_MODEL_NAME=f"logs-{port}")
+    env.update(
+        REDIS_URL=redis_url,
+        GENQ_PORT=str(port),
+        GENQ_API_WORKERS="1",
+        GENQ_ENGINE="echo",
+        GENQ_LOG_FORMAT="json",
+        GENQ_HOST="0.0.0.0",
+        GENQ_DATA_DIR=str(tmp_path / "data"),
+        GENQ_MODEL_NAME=f"logs-{port}",
+    )
     log = tmp_path / "run.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-W", "always", "-m", "scripts.stack"], cwd=stackmod.ROOT,
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-W", "always", "-m", "scripts.stack"],
+            cwd=stackmod.ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         base = f"http://127.0.0.1:{port}"
         stackmod.wait_until(lambda: stackmod.http_get(base + "/readyz")[0] == 200, 90, "make run's stack")

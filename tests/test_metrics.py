@@ -42,8 +42,9 @@ def _echo_workers(s, body: dict) -> list[dict]:
 @pytest.fixture(scope="module")
 def metered(make_module_stack):
     base = stackmod.free_port()
-    s = make_module_stack(GENQ_API_WORKERS="2", GENQ_METRICS_PORT=str(base), GENQ_LOG_FORMAT="json",
-                   GENQ_MAX_BATCH_SIZE="8")
+    s = make_module_stack(
+        GENQ_API_WORKERS="2", GENQ_METRICS_PORT=str(base), GENQ_LOG_FORMAT="json", GENQ_MAX_BATCH_SIZE="8"
+    )
     s.metrics_base = base
     s.start_api()
     s.start_worker()
@@ -67,15 +68,17 @@ def outcome(metered):
     ids = [submit(metered, **body) for _ in range(STREAMED)]
     for job_id in ids:
         stream(metered, job_id)
-    resp = metered.post("/generate", json={"prompts": [PROMPT] * BLOCKING, "max_new_tokens": TOKENS,
-                                           "ignore_eos": True})
+    resp = metered.post(
+        "/generate", json={"prompts": [PROMPT] * BLOCKING, "max_new_tokens": TOKENS, "ignore_eos": True}
+    )
     assert resp.status_code == 200, resp.text
     # vLLM's finish reasons: a stop string is `stop`, a prompt the model cannot take an `error`.
     text = metered.get(f"/v1/jobs/{ids[0]}").json()["result"]["text"]
-    stop = text.strip()[len(text.strip()) // 2:][:2]
-    resp = metered.post("/generate", json={"prompts": [PROMPT], "max_new_tokens": TOKENS, "ignore_eos": True,
-                                           "stop": [stop]})
-    assert resp.status_code == 200 and stop not in resp.json()["generated_texts"][0][len(PROMPT):], resp.text
+    stop = text.strip()[len(text.strip()) // 2 :][:2]
+    resp = metered.post(
+        "/generate", json={"prompts": [PROMPT], "max_new_tokens": TOKENS, "ignore_eos": True, "stop": [stop]}
+    )
+    assert resp.status_code == 200 and stop not in resp.json()["generated_texts"][0][len(PROMPT) :], resp.text
     resp = metered.post("/basic_generate", json={"prompt": "word " * 600, "max_new_tokens": 4})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long", resp.text
     refused = metered.post("/generate_vllm", json={"prompts": [PROMPT]})
@@ -132,8 +135,12 @@ def test_worker_counts_add_up(metered, outcome):
     assert jobs * TOKENS < summed("genq:generation_tokens_total") <= (jobs + 1) * TOKENS
     assert summed("genq:request_generation_tokens_sum") == summed("genq:generation_tokens_total")
     jobs += 1
-    for name in ("genq:e2e_request_latency_seconds", "genq:request_queue_time_seconds",
-                 "genq:request_inference_time_seconds", "genq:request_generation_tokens"):
+    for name in (
+        "genq:e2e_request_latency_seconds",
+        "genq:request_queue_time_seconds",
+        "genq:request_inference_time_seconds",
+        "genq:request_generation_tokens",
+    ):
         assert summed(name + "_count") == jobs + (name == "genq:request_queue_time_seconds"), name
     # Only streamed jobs publish token events: a first token each, then one gap per later token.
     assert summed("genq:time_to_first_token_seconds_count") == STREAMED
@@ -142,8 +149,9 @@ def test_worker_counts_add_up(metered, outcome):
     assert summed("genq:num_requests_running") == 0
     # The slowest path a job can take is below its end-to-end latency.
     e2e = summed("genq:e2e_request_latency_seconds_sum")
-    assert summed("genq:request_queue_time_seconds_sum") + summed("genq:request_inference_time_seconds_sum") \
-        == pytest.approx(e2e, rel=0.05, abs=0.05)
+    assert summed("genq:request_queue_time_seconds_sum") + summed(
+        "genq:request_inference_time_seconds_sum"
+    ) == pytest.approx(e2e, rel=0.05, abs=0.05)
     assert summed("genq:time_to_first_token_seconds_sum") < e2e
 
 

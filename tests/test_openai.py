@@ -7,8 +7,8 @@ import json
 
 import openai
 import pytest
-
 from helpers import stream, submit
+
 from webapp.protocol.openai import N_MAX
 
 
@@ -82,24 +82,57 @@ def test_errors_in_openai_format(client, hf_stack):
 # along, at values that change nothing.
 NEUTRAL = dict(n=1, best_of=1, logprobs=None, presence_penalty=0, frequency_penalty=0, logit_bias=None, seed=None)
 VLLM_NEUTRAL = {
-    "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [], "top_k": -1, "min_p": 0.0,
-    "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
-    "skip_special_tokens": True, "spaces_between_special_tokens": True, "add_special_tokens": True,
-    "truncate_prompt_tokens": None, "allowed_token_ids": None, "prompt_logprobs": None,
-    "response_format": None, "guided_json": None, "return_tokens_as_token_ids": False,
-    "request_id": "req-1", "cache_salt": "salt", "priority": 0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "stop_token_ids": [],
+    "top_k": -1,
+    "min_p": 0.0,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "add_special_tokens": True,
+    "truncate_prompt_tokens": None,
+    "allowed_token_ids": None,
+    "prompt_logprobs": None,
+    "response_format": None,
+    "guided_json": None,
+    "return_tokens_as_token_ids": False,
+    "request_id": "req-1",
+    "cache_salt": "salt",
+    "priority": 0,
 }
 
 
 def test_neutral_vllm_parameters_change_nothing(client, hf_stack, reference):
     out = client.completions.create(
-        model=hf_stack.name, prompt="Hello, my name is", max_tokens=12, temperature=0, **NEUTRAL, extra_body=VLLM_NEUTRAL
+        model=hf_stack.name,
+        prompt="Hello, my name is",
+        max_tokens=12,
+        temperature=0,
+        **NEUTRAL,
+        extra_body=VLLM_NEUTRAL,
     )
     (choice,) = out.choices
     assert choice.text == reference("Hello, my name is", 12) and choice.logprobs is None
     # The same explicitly as JSON null, as some clients send them.
-    nulls = {k: None for k in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k",
-                               "temperature", "top_p", "min_tokens", "stop_token_ids", "echo", "stream")}
+    nulls = {
+        k: None
+        for k in (
+            "n",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "top_k",
+            "temperature",
+            "top_p",
+            "min_tokens",
+            "stop_token_ids",
+            "echo",
+            "stream",
+        )
+    }
     body = {"model": hf_stack.name, "prompt": "Hello, my name is", "max_tokens": 12, **nulls}
     resp = hf_stack.post("/v1/completions", json={**body, "temperature": 0})
     assert resp.status_code == 200, resp.text
@@ -141,7 +174,8 @@ def test_n_choices_each_with_its_own_seed(client, hf_stack):
     assert len({c.text for c in out.choices[:3]}) > 1
     assert out.usage.completion_tokens == sum(
         client.completions.create(prompt=p, **{**kw, "seed": 42 + j}).usage.completion_tokens
-        for p in prompts for j in range(3)
+        for p in prompts
+        for j in range(3)
     )
     # Streamed: every choice's chunks carry its index and add up to the same texts.
     texts = {}
@@ -179,15 +213,28 @@ def test_job_api_logprobs_in_result_and_stream(hf_stack):
 def test_echo_engine_takes_the_parameters(echo_stack):
     """The echo engine (no model) ignores what shapes a model's choices and reports its words
     as certain."""
-    body = {"model": echo_stack.name, "prompt": "one two three", "max_tokens": 2, "logprobs": 2, "n": 2,
-            "repetition_penalty": 1.5, "presence_penalty": 1, "frequency_penalty": 1, "min_tokens": 1,
-            "stop_token_ids": [3]}  # fmt: skip
+    body = {
+        "model": echo_stack.name,
+        "prompt": "one two three",
+        "max_tokens": 2,
+        "logprobs": 2,
+        "n": 2,
+        "repetition_penalty": 1.5,
+        "presence_penalty": 1,
+        "frequency_penalty": 1,
+        "min_tokens": 1,
+        "stop_token_ids": [3],
+    }
     resp = echo_stack.post("/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     for c in resp.json()["choices"]:
         assert c["text"] == " two three"
-        assert c["logprobs"] == {"tokens": [" two", " three"], "token_logprobs": [0.0, 0.0],
-                                 "top_logprobs": [{" two": 0.0}, {" three": 0.0}], "text_offset": [0, 4]}
+        assert c["logprobs"] == {
+            "tokens": [" two", " three"],
+            "token_logprobs": [0.0, 0.0],
+            "top_logprobs": [{" two": 0.0}, {" three": 0.0}],
+            "text_offset": [0, 4],
+        }
 
 
 def test_max_tokens_null_is_16_and_errors_name_max_tokens(echo_stack):

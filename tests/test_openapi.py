@@ -14,7 +14,6 @@ from flask import Blueprint
 from openapi_spec_validator import validate
 
 from tasks.config import Settings
-from tests.conftest import IDLE_STACK_KEY
 from webapp import create_app
 
 
@@ -96,7 +95,9 @@ def test_with_keys_the_document_is_open_and_names_the_bearer_key(idle_stack):
     spec = resp.json()
     validate(spec)
     assert spec["components"]["securitySchemes"]["apiKey"] == {
-        "type": "http", "scheme": "bearer", "description": "an API key of GENQ_API_KEYS(_FILE)"
+        "type": "http",
+        "scheme": "bearer",
+        "description": "an API key of GENQ_API_KEYS(_FILE)",
     }
     for path, method in operations(spec):
         op = spec["paths"][path][method]
@@ -115,8 +116,18 @@ def test_with_keys_the_document_is_open_and_names_the_bearer_key(idle_stack):
 GOOD_BODIES = {
     "/v1/jobs": [
         {"prompt": "Hello"},
-        {"prompt": "Hello", "max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 3,
-         "stop": ["\n"], "ignore_eos": True, "priority": -4, "timeout_s": 60},
+        {
+            "prompt": "Hello",
+            "max_new_tokens": 4,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 5,
+            "seed": 3,
+            "stop": ["\n"],
+            "ignore_eos": True,
+            "priority": -4,
+            "timeout_s": 60,
+        },
         # A month ahead: this dict is built at collection, maybe half an hour before the test runs.
         {"prompt": "Hello", "stop": "\n", "deadline": time.time() + 30 * 86_400},
     ],

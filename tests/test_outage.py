@@ -159,7 +159,7 @@ def _hang_up_after(port: int, path: str, body: dict, seconds: float) -> bytes:
             sock.settimeout(left)
             try:
                 chunk = sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 break
             if not chunk:
                 break

@@ -33,7 +33,8 @@ def test_packed_layers_compute_what_pytorchs_did(tiny_model):
             assert torch.equal(a.argmax(-1), b.argmax(-1))
         # A different result would show: packing must not be an identity on some other weight.
         fast.lm_head.packed = torch.ops.mkldnn._reorder_linear_weight(
-            torch.zeros(fast.lm_head.out_features, fast.lm_head.in_features), packed.PACK_ROWS)
+            torch.zeros(fast.lm_head.out_features, fast.lm_head.in_features), packed.PACK_ROWS
+        )
         assert not torch.allclose(plain(input_ids=ids).logits, fast(input_ids=ids).logits)
 
 

@@ -45,8 +45,9 @@ def fill_then_queue(s) -> tuple[list[str], list[str], list[str], float]:
     fillers = [submit(s, **LONG) for _ in range(2)]
     stackmod.wait_until(
         lambda: all(s.get(f"/v1/jobs/{j}").json()["status"] == "running" for j in fillers),
-        30, "a full batch",
-    )  # fmt: skip
+        30,
+        "a full batch",
+    )
     with ThreadPoolExecutor(8) as pool:
         lows = list(pool.map(lambda i: submit(s, prompt=f"later {i}", max_new_tokens=4, priority=4), range(20)))
         urgent = list(pool.map(lambda i: submit(s, prompt=f"now {i}", max_new_tokens=4, priority=-4), range(5)))
@@ -70,9 +71,7 @@ def test_the_most_urgent_jobs_overtake_every_waiting_one(pair):
 
 
 def test_completions_take_vllms_priority(pair):
-    resp = pair.post(
-        "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "priority": -2}
-    )
+    resp = pair.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "priority": -2})
     assert resp.status_code == 200, resp.text
     job_id = resp.json()["id"].removeprefix("cmpl-")
     assert pair.get(f"/v1/jobs/{job_id}").json()["priority"] == -2

@@ -44,7 +44,8 @@ def test_the_python_client_example_runs_as_pasted(echo_stack):
     (example,) = python_examples("## Python client and CLI")
     env = {**os.environ, "GENQ_URL": echo_stack.base}
     env.pop("GENQ_API_KEY", None)
-    out = subprocess.run([sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.rstrip().endswith("True"), out.stdout  # the stream's text is the job's

@@ -71,9 +71,7 @@ def _broker_state(url: str, recs: dict[str, dict]) -> str:
 
 def _start_workers(s, n: int) -> list[stackmod.Proc]:
     workers = [s.start_worker() for _ in range(n)]
-    stackmod.wait_until(
-        lambda: len(s.get("/readyz").json().get("workers", [])) == n, 90, f"{n} workers", s.procs
-    )
+    stackmod.wait_until(lambda: len(s.get("/readyz").json().get("workers", [])) == n, 90, f"{n} workers", s.procs)
     return workers
 
 
@@ -116,7 +114,7 @@ def _assert_done_once(recs: dict[str, dict], moved: set[str], survivor: str) -> 
     assert all(r["status"] == "succeeded" for r in recs.values()), [
         (r["status"], r.get("error")) for r in recs.values() if r["status"] != "succeeded"
     ]
-    for job_id, rec in recs.items():
+    for rec in recs.values():
         assert rec["result"]["completion_tokens"] == TOKENS
         assert rec["result"]["worker"] == rec["worker"]
         assert rec["attempts"] in (1, 2), rec
@@ -162,14 +160,17 @@ def test_a_live_reader_never_gets_two_attempts_mixed(make_stack, dtype):
     SIGKILLed; the jobs finish on the other worker. In bfloat16 a greedy re-run in another
     batch can take other tokens; a sampled one does. Each reader (raw SSE, and the client's
     TokenStream) ends with the text of one attempt: the job's result's."""
-    from genqueue.client import Client, Restart as ClientRestart
+    from genqueue.client import Client
+    from genqueue.client import Restart as ClientRestart
 
     s = make_stack(GENQ_DTYPE=dtype, GENQ_MAX_BATCH_SIZE="16")
     s.start_api()
     workers = _start_workers(s, 2)
     n = 480  # longest the tiny model's context takes: the batch still runs when the signal comes
-    ids = [submit(s, prompt=p, max_new_tokens=n, ignore_eos=True, **({"temperature": 1.0} if i % 2 else {}))
-           for i, p in enumerate(_prompts(16))]
+    ids = [
+        submit(s, prompt=p, max_new_tokens=n, ignore_eos=True, **({"temperature": 1.0} if i % 2 else {}))
+        for i, p in enumerate(_prompts(16))
+    ]
     raw: dict[str, list[dict]] = {j: [] for j in ids}
     texts: dict[str, dict] = {}
     client = Client(s.base, timeout=60)
@@ -229,7 +230,7 @@ def test_a_live_reader_never_gets_two_attempts_mixed(make_stack, dtype):
         final = recs[job_id]["result"]["text"]
         events = raw[job_id]
         restarts = [k for k, e in enumerate(events) if e.get("event") == "restart"]
-        after = events[restarts[-1] + 1:] if restarts else events
+        after = events[restarts[-1] + 1 :] if restarts else events
         assert len(restarts) <= recs[job_id]["attempts"] - 1
         assert [e["event"] for e in after] == ["token"] * n + ["done"], (job_id, [e["event"] for e in events])
         assert joined(after) == final, (dtype, job_id)  # one attempt's tokens, the result's
@@ -338,8 +339,8 @@ def test_jobs_whose_messages_went_astray_run_all_the_same(make_stack, redis_url)
         assert recs[stranded]["status"] == "succeeded" and recs[stranded]["attempts"] == 2, recs[stranded]
         assert not r.exists(keys.inflight(gone))
         worker_log = s.procs[-1].log.read_text()
-        republished = [l for l in worker_log.splitlines() if "had lost its message; published it again" in l]
-        assert all(any(j in l for l in republished) for j in lost), republished
+        republished = [ln for ln in worker_log.splitlines() if "had lost its message; published it again" in ln]
+        assert all(any(j in ln for ln in republished) for j in lost), republished
         assert f"job {received} was received by a worker that never started it" in worker_log
     finally:
         r.close()
@@ -413,8 +414,11 @@ def test_innocent_jobs_beside_a_poison_job_are_not_charged_for_it(make_stack, re
             stackmod.wait_until(generating, 60, f"the poison job to generate (kill {len(kills) + 1})", s.procs)
             if r.hget(keys.job(poison), "status") == "failed":
                 break
-            beside = [j for j in innocents if mark in (r.hget(keys.job(j), "worker") or "")
-                      and r.hget(keys.job(j), "status") == "running"]
+            beside = [
+                j
+                for j in innocents
+                if mark in (r.hget(keys.job(j), "worker") or "") and r.hget(keys.job(j), "status") == "running"
+            ]
             worker.signal(signal.SIGKILL)
             worker.popen.wait(10)
             s.procs.remove(worker)

@@ -13,8 +13,9 @@ DOC = stack.ROOT / "docs" / "reliability.md"
 
 def test_reliability_quick_run(tiny_model):
     before = digest(DOC)
-    rc, out, err = run_bench("bench.reliability", "--runs", "1", "--quick", "--only", "sigkill,redis", "--no-write",
-                             timeout=300)
+    rc, out, err = run_bench(
+        "bench.reliability", "--runs", "1", "--quick", "--only", "sigkill,redis", "--no-write", timeout=300
+    )
     assert rc == 0, f"exit {rc}\n--- stdout\n{out[-6000:]}\n--- stderr\n{err[-5000:]}"
     assert "- **PASS** jobs lost: 0" in out and "- **PASS** jobs duplicated: 0" in out
     (kill,) = table_rows(out, "## A worker killed (SIGKILL) or hung (SIGSTOP) mid-batch")
@@ -23,5 +24,8 @@ def test_reliability_quick_run(tiny_model):
     assert redis_row[0] == redis_row[1] and redis_row[2] == "0", redis_row  # all succeeded, none lost
     answers = table_rows(out, "The API's answers:")
     assert {(r[1], r[2]) for r in answers if r[0] == "while down"} == {
-        ("GET /v1/jobs/<id>", "503"), ("GET /readyz", "503"), ("POST /v1/jobs", "503")}
+        ("GET /v1/jobs/<id>", "503"),
+        ("GET /readyz", "503"),
+        ("POST /v1/jobs", "503"),
+    }
     assert digest(DOC) == before, "--no-write must not touch docs/reliability.md"

@@ -66,9 +66,14 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 def test_greedy_rows_beside_sampled_ones_and_top_k_1():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(), SamplingParams(temperature=1.5), SamplingParams(),
-              SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.8, top_p=1e-6),
-              SamplingParams(temperature=1.0)]  # fmt: skip
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.5),
+        SamplingParams(),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=0.8, top_p=1e-6),
+        SamplingParams(temperature=1.0),
+    ]
     gens = [None if p.greedy else torch.Generator().manual_seed(i) for i, p in enumerate(params)]
     for _ in range(20):
         tokens = sample(logits, params, gens)

@@ -81,7 +81,11 @@ def test_reap_cancelled_and_late_jobs_running_waiting_or_new():
     clock.now = 6
     gone, keep = s.reap(new)
     assert sorted((x.spec.id, why) for x, why in gone) == [
-        ("gone", "cancelled"), ("new", "timeout"), ("run", "timeout"), ("wait", "timeout")]
+        ("gone", "cancelled"),
+        ("new", "timeout"),
+        ("run", "timeout"),
+        ("wait", "timeout"),
+    ]
     assert keep == [] and new == [] and s.waiting == []
     s.reorder(keep)  # as the engine does once the KV cache has dropped them
     assert s.reap([]) == ([], None)  # nothing more: every row stays

@@ -100,19 +100,30 @@ def test_a_command_retried_across_a_failover_reaches_the_new_master():
     sen = stackmod.SentinelRedis()
     try:
         settings = Settings(redis_sentinels=sen.sentinels_env, redis_master=sen.master_name)
-        c = redis_conn.client(settings, decode_responses=True, retry=Retry(ConstantBackoff(0.2), 100),
-                              socket_connect_timeout=1, socket_timeout=30)
+        c = redis_conn.client(
+            settings,
+            decode_responses=True,
+            retry=Retry(ConstantBackoff(0.2), 100),
+            socket_connect_timeout=1,
+            socket_timeout=30,
+        )
         got: list = []
         blocked = threading.Thread(target=lambda: got.append(c.blpop(["handover"], timeout=25)), daemon=True)
         blocked.start()
-        stackmod.wait_until(lambda: redis.Redis(port=sen.port("master")).info("clients")["blocked_clients"] == 1,
-                            10, "the BLPOP to block on the master")
+        stackmod.wait_until(
+            lambda: redis.Redis(port=sen.port("master")).info("clients")["blocked_clients"] == 1,
+            10,
+            "the BLPOP to block on the master",
+        )
         sen.proc("master").signal(signal.SIGKILL)
         replica = sen.port("replica")
         stackmod.wait_until(lambda: sen.master_port() == replica, 30, "the replica's promotion")
         new_master = redis.Redis(port=replica, socket_timeout=2)
-        stackmod.wait_until(lambda: new_master.info("clients")["blocked_clients"] == 1, 10,
-                            "the retried BLPOP to block on the new master")
+        stackmod.wait_until(
+            lambda: new_master.info("clients")["blocked_clients"] == 1,
+            10,
+            "the retried BLPOP to block on the new master",
+        )
         new_master.rpush("handover", "done")
         blocked.join(10)
         assert got == [("handover", "done")]
@@ -126,18 +137,29 @@ def test_a_command_retried_across_a_failover_reaches_the_new_master():
 @pytest.mark.parametrize("min_replicas", [0, 1], ids=["async", "min-replicas-to-write-1"])
 def test_failover_under_load(make_stack, min_replicas):
     sen = stackmod.SentinelRedis(min_replicas_to_write=min_replicas)
-    s = make_stack(REDIS_URL="redis://127.0.0.1:1/0", GENQ_REDIS_SENTINELS=sen.sentinels_env,
-                   GENQ_REDIS_MASTER=sen.master_name, GENQ_MAX_BATCH_SIZE="4", **BEAT)
+    s = make_stack(
+        REDIS_URL="redis://127.0.0.1:1/0",
+        GENQ_REDIS_SENTINELS=sen.sentinels_env,
+        GENQ_REDIS_MASTER=sen.master_name,
+        GENQ_MAX_BATCH_SIZE="4",
+        **BEAT,
+    )
     try:
         s.start_api()
         worker = s.start_worker()
         s.wait_ready(90)
         (name,) = [w["name"] for w in s.get("/readyz").json()["workers"]]
         assert f"-{worker.pid}@" in name
-        ids = [submit(s, prompt=f"Failover {i}: the quick brown fox", max_new_tokens=160, ignore_eos=True)
-               for i in range(6)]  # fmt: skip
-        stackmod.wait_until(lambda: sum(s.get(f"/v1/jobs/{j}").json()["status"] == "running" for j in ids) >= 3,
-                            60, "jobs to run", s.procs)
+        ids = [
+            submit(s, prompt=f"Failover {i}: the quick brown fox", max_new_tokens=160, ignore_eos=True)
+            for i in range(6)
+        ]
+        stackmod.wait_until(
+            lambda: sum(s.get(f"/v1/jobs/{j}").json()["status"] == "running" for j in ids) >= 3,
+            60,
+            "jobs to run",
+            s.procs,
+        )
         master, replica = sen.port("master"), sen.port("replica")
         assert sen.master_port() == master
 
@@ -172,8 +194,9 @@ def test_failover_under_load(make_stack, min_replicas):
         lost = [j for j, r in recs.items() if r.status_code == 404]
         done = {j: r.json() for j, r in recs.items() if r.status_code == 200}
         print(f"min-replicas-to-write {min_replicas}: {len(lost)} of {len(ids)} jobs lost: {lost}")
-        assert all(r["status"] == "succeeded" for r in done.values()), \
-            {j: (r["status"], r.get("error")) for j, r in done.items()}
+        assert all(r["status"] == "succeeded" for r in done.values()), {
+            j: (r["status"], r.get("error")) for j, r in done.items()
+        }
         assert after in done
         # Nothing ran twice.
         assert all(r["attempts"] == 1 for r in done.values()), {j: r["attempts"] for j, r in done.items()}

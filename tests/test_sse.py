@@ -98,6 +98,13 @@ def test_without_comments_the_headers_go_at_once_and_nothing_while_waiting():
     headers with it), and no keep-alive for a None: outside gunicorn nothing says the client
     left, so the relay just reads on."""
     events = [None, ("a", TokenEvent(0, "x")), None, None]
-    resp = sse.relay(iter(events), token=lambda j, ev: ev.text, end=lambda j, ev: None, restart=lambda j, ev: None,
-                     head=["H"], tail=lambda complete: ["done"], comments=False)
+    resp = sse.relay(
+        iter(events),
+        token=lambda j, ev: ev.text,
+        end=lambda j, ev: None,
+        restart=lambda j, ev: None,
+        head=["H"],
+        tail=lambda complete: ["done"],
+        comments=False,
+    )
     assert frames(resp) == ["", "H", "x", "done"]

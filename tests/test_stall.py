@@ -28,7 +28,7 @@ class Frozen:
     def __init__(self, db: KillableRedis):
         self.db = db
 
-    def __enter__(self) -> "Frozen":
+    def __enter__(self) -> Frozen:
         self.db.proc.signal(signal.SIGSTOP)
         return self
 
@@ -45,14 +45,17 @@ def test_a_redis_stall_longer_than_the_ttl_loses_no_healthy_job(make_stack, tmp_
         workers = [s.start_worker() for _ in range(2)]
         stackmod.wait_until(lambda: len(s.get("/readyz").json().get("workers", [])) == 2, 90, "2 workers", s.procs)
         # Long jobs on both workers: still running when Redis comes back, and for a TTL after.
-        ids = [submit(s, prompt=f"Stall {i}: the quick brown fox", max_new_tokens=480, ignore_eos=True)
-               for i in range(8)]  # fmt: skip
+        ids = [
+            submit(s, prompt=f"Stall {i}: the quick brown fox", max_new_tokens=480, ignore_eos=True) for i in range(8)
+        ]
         stackmod.wait_until(
             lambda: sum(s.get(f"/v1/jobs/{j}").json()["status"] == "running" for j in ids) == 8,
-            60, "the jobs to run on both workers", s.procs,
-        )  # fmt: skip
+            60,
+            "the jobs to run on both workers",
+            s.procs,
+        )
 
-        for stall in range(2):
+        for _ in range(2):
             with Frozen(db):
                 time.sleep(1.0)
                 # 503 at once, not after the client gave up.
@@ -94,8 +97,8 @@ def test_a_closed_broker_channel_still_acknowledges_its_messages(tmp_path):
     then acknowledges its message on that channel once it finishes; that raised
     `AttributeError: 'NoneType' object has no attribute 'client'` (kombu's `_connparams`),
     which stopped the worker. Real Redis, real kombu connection and channel."""
-    from kombu import Connection, Exchange, Queue
     import redis
+    from kombu import Connection, Exchange, Queue
 
     import tasks.celery_app  # noqa: F401 - its kombu patch, as the worker has it
     from tasks.kombu_compat import guard_restores
@@ -138,8 +141,10 @@ def test_the_worker_survives_redis_restarts_and_stalls_under_load(make_stack, tm
         s.wait_ready()
         (name,) = [w["name"] for w in s.get("/readyz").json()["workers"]]
         assert f"-{worker.pid}@" in name
-        ids = [submit(s, prompt=f"Restart {i}: the quick brown fox", max_new_tokens=240, ignore_eos=True)
-               for i in range(12)]  # fmt: skip
+        ids = [
+            submit(s, prompt=f"Restart {i}: the quick brown fox", max_new_tokens=240, ignore_eos=True)
+            for i in range(12)
+        ]
         for _ in range(2):
             db.kill()
             time.sleep(1.5)

@@ -80,8 +80,13 @@ def read_as_vllm_bench(resp: requests.Response) -> tuple[bool, str]:
 
 def test_a_client_parsing_as_vllm_bench_reads_every_slow_stream(slow_stack):
     def one(prompt: str) -> tuple[bool, str]:
-        body = {"model": slow_stack.name, "prompt": prompt, "max_tokens": TOKENS, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": slow_stack.name,
+            "prompt": prompt,
+            "max_tokens": TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with slow_stack.http.post(f"{slow_stack.base}/v1/completions", json=body, stream=True, timeout=120) as resp:
             assert resp.status_code == 200, resp.text
             return read_as_vllm_bench(resp)
@@ -95,11 +100,17 @@ def test_vllm_bench_client_completes_every_slow_stream(slow_stack):
     python = ROOT / ".venv-vllm" / "bin" / "python"
     if not python.exists():
         pytest.skip("no vLLM environment (.venv-vllm)")
-    argv = [str(python), str(ROOT / "tests" / "vllm_bench_client.py"), f"{slow_stack.base}/v1/completions",
-            slow_stack.name, str(TOKENS), "32"]
+    argv = [
+        str(python),
+        str(ROOT / "tests" / "vllm_bench_client.py"),
+        f"{slow_stack.base}/v1/completions",
+        slow_stack.name,
+        str(TOKENS),
+        "32",
+    ]
     out = subprocess.run(argv, input=json.dumps(PROMPTS), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    (line,) = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     results = json.loads(line[len("RESULT ") :])
     assert [(r["success"], r["text"]) for r in results] == [(True, "".join(sim_tokens(p, TOKENS))) for p in PROMPTS], [
         r["error"][-300:] for r in results if not r["success"]
@@ -126,8 +137,10 @@ def test_a_client_gone_while_its_job_waits_has_it_cancelled(make_stack, redis_ur
         s.wait_ready()
         blocker = submit(s, prompt="busy", max_new_tokens=1000)  # 300 s of steps
         body = json.dumps({"model": s.name, "prompt": "waits", "max_tokens": 4, "stream": True}).encode()
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
         with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
             sock.sendall(head + body)
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")  # the headers at once, no event

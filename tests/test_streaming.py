@@ -44,8 +44,8 @@ def test_teaching_generate_stream_concurrent(hf_stack, reference):
             f"{hf_stack.base}/generate_stream", json={"prompt": prompt, "max_new_tokens": 24}, stream=True, timeout=60
         )
         assert resp.status_code == 200
-        lines = [l for l in resp.iter_lines(decode_unicode=True) if l.startswith("data: ")]
-        return [json.loads(l[len("data: ") :]) for l in lines]
+        lines = [ln for ln in resp.iter_lines(decode_unicode=True) if ln.startswith("data: ")]
+        return [json.loads(ln[len("data: ") :]) for ln in lines]
 
     with ThreadPoolExecutor(2) as pool:
         outs = list(pool.map(run, prompts))
@@ -121,7 +121,7 @@ def test_two_hundred_concurrent_streams(make_stack):
             lines = resp.iter_lines(decode_unicode=True)
             assert next(lines) == ": keep-alive"  # open, and waiting: no worker yet
             opened.wait()
-            results[i] = [l for l in lines if l.startswith("event: ")]
+            results[i] = [ln for ln in lines if ln.startswith("event: ")]
 
     with ThreadPoolExecutor(200) as pool:
         futures = [pool.submit(listen, i) for i in range(200)]

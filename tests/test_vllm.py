@@ -7,7 +7,6 @@ import importlib.util
 import json
 
 import pytest
-
 from helpers import joined, sse_events, stream, submit
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
@@ -108,10 +107,18 @@ def test_vllm_sampling_parameters_and_logprobs(vllm_stack):
     """vLLM's own parameters reach its SamplingParams; log-probabilities come back as vLLM's
     server writes them, in the response and in the stream chunks."""
     body = {
-        "model": vllm_stack.name, "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0,
-        "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 4,
-        "stop_token_ids": [2], "logprobs": 2, "n": 2,
-    }  # fmt: skip
+        "model": vllm_stack.name,
+        "prompt": "Hello, my name is",
+        "max_tokens": 8,
+        "temperature": 0,
+        "repetition_penalty": 1.2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "min_tokens": 4,
+        "stop_token_ids": [2],
+        "logprobs": 2,
+        "n": 2,
+    }
     out = vllm_stack.post("/v1/completions", json=body)
     assert out.status_code == 200, out.text
     choices = out.json()["choices"]
@@ -119,7 +126,9 @@ def test_vllm_sampling_parameters_and_logprobs(vllm_stack):
     lp = choices[0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) >= 4
     assert all(v <= 0 for v in lp["token_logprobs"]) and all(2 <= len(t) <= 3 for t in lp["top_logprobs"])
-    resp = vllm_stack.http.post(f"{vllm_stack.base}/v1/completions", json={**body, "n": 1, "stream": True}, stream=True, timeout=120)
+    resp = vllm_stack.http.post(
+        f"{vllm_stack.base}/v1/completions", json={**body, "n": 1, "stream": True}, stream=True, timeout=120
+    )
     chunks = [json.loads(line[6:]) for line in resp.iter_lines(decode_unicode=True) if line.startswith("data: {")]
     streamed = [t for c in chunks for ch in c["choices"] if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
     assert streamed == lp["tokens"]
@@ -133,7 +142,9 @@ def test_vllm_engine_settings_reach_the_engine(vllm_stack):
 
     cards = {m["id"]: m for m in vllm_stack.get("/v1/models").json()["data"]}
     assert cards[vllm_stack.name]["max_model_len"] == VLLM_MAX_MODEL_LEN
-    resp = vllm_stack.post("/generate_vllm", json={"prompts": ["word " * (VLLM_MAX_MODEL_LEN - 8)], "max_new_tokens": 16})
+    resp = vllm_stack.post(
+        "/generate_vllm", json={"prompts": ["word " * (VLLM_MAX_MODEL_LEN - 8)], "max_new_tokens": 16}
+    )
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long", resp.text
 
 
@@ -150,11 +161,11 @@ def test_chat_on_vllm_is_the_rendered_template_without_a_second_bos(vllm_stack, 
     messages = [{"role": "user", "content": "Name a colour."}]
     rendered = tok.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
     ids = tok(rendered, add_special_tokens=False).input_ids
-    assert rendered.startswith(tok.bos_token) and ids == tok(rendered[len(tok.bos_token):]).input_ids
+    assert rendered.startswith(tok.bos_token) and ids == tok(rendered[len(tok.bos_token) :]).input_ids
     kw = {"model": vllm_stack.name, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     chat = vllm_stack.post("/v1/chat/completions", json={"messages": messages, **kw})
     assert chat.status_code == 200, chat.text
-    plain = vllm_stack.post("/v1/completions", json={"prompt": rendered[len(tok.bos_token):], **kw}).json()
+    plain = vllm_stack.post("/v1/completions", json={"prompt": rendered[len(tok.bos_token) :], **kw}).json()
     assert chat.json()["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
     assert chat.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] == len(ids)
     tokens = vllm_stack.post("/tokenize", json={"messages": messages})
@@ -169,8 +180,10 @@ def test_vllm_fields_and_structured_output_reach_vllm(vllm_stack, tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
 
     def complete(**body):
-        resp = vllm_stack.post("/v1/completions", json={"model": vllm_stack.name, "max_tokens": 10, "temperature": 0,
-                                                        "prompt": "Hello, my name is", **body})
+        resp = vllm_stack.post(
+            "/v1/completions",
+            json={"model": vllm_stack.name, "max_tokens": 10, "temperature": 0, "prompt": "Hello, my name is", **body},
+        )
         assert resp.status_code == 200, resp.text
         return resp.json()["choices"]
 
@@ -189,8 +202,9 @@ def test_vllm_fields_and_structured_output_reach_vllm(vllm_stack, tiny_model):
     # between JSON tokens (its per-request disable_any_whitespace is not read: the server's
     # setting is), which a random model fills max_tokens with; the same JSON as a regex here.
     for seed in (1, 2, 3):
-        (out,) = complete(temperature=1.0, seed=seed, max_tokens=40,
-                          structured_outputs={"regex": r'\{"color": "(red|green)"\}'})
+        (out,) = complete(
+            temperature=1.0, seed=seed, max_tokens=40, structured_outputs={"regex": r'\{"color": "(red|green)"\}'}
+        )
         assert json.loads(out["text"])["color"] in ("red", "green"), out
     (out,) = complete(structured_outputs={"choice": ["yes", "no"]})
     assert out["text"] in ("yes", "no")

@@ -59,15 +59,18 @@ def test_token_id_prompts_give_the_text_of_the_decoded_prompt(client, hf_stack, 
 def test_min_p_one_is_greedy_and_seeds_are_64_bit(client, hf_stack):
     greedy = complete(client, hf_stack).choices[0].text
     for seed in (-(2**63), -7, 2**63 - 1):
-        assert complete(client, hf_stack, temperature=1.0, seed=seed, extra_body={"min_p": 1.0}).choices[0].text == greedy
+        assert (
+            complete(client, hf_stack, temperature=1.0, seed=seed, extra_body={"min_p": 1.0}).choices[0].text == greedy
+        )
     a = complete(client, hf_stack, temperature=1.0, seed=-7).choices[0].text
     assert complete(client, hf_stack, temperature=1.0, seed=-7).choices[0].text == a
 
 
 def test_logit_bias_bans_and_forces_tokens(client, hf_stack):
     plain = token_ids(complete(client, hf_stack, extra_body={"return_token_ids": True}).choices[0])
-    banned = complete(client, hf_stack, logit_bias={str(t): -100 for t in set(plain)},
-                      extra_body={"return_token_ids": True}).choices[0]  # fmt: skip
+    banned = complete(
+        client, hf_stack, logit_bias={str(t): -100 for t in set(plain)}, extra_body={"return_token_ids": True}
+    ).choices[0]
     assert token_ids(banned) and not set(token_ids(banned)) & set(plain)
     forced = complete(client, hf_stack, logit_bias={"77": 100}, extra_body={"return_token_ids": True}).choices[0]
     assert token_ids(forced) == [77] * 12
@@ -75,8 +78,14 @@ def test_logit_bias_bans_and_forces_tokens(client, hf_stack):
 
 def test_allowed_token_ids_confine_every_token(client, hf_stack):
     allowed = [40, 41, 77, 300]
-    out = complete(client, hf_stack, temperature=1.0, seed=3, max_tokens=16,
-                   extra_body={"allowed_token_ids": allowed, "return_token_ids": True}).choices[0]  # fmt: skip
+    out = complete(
+        client,
+        hf_stack,
+        temperature=1.0,
+        seed=3,
+        max_tokens=16,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+    ).choices[0]
     assert len(token_ids(out)) == 16 and set(token_ids(out)) <= set(allowed)
 
 
@@ -114,8 +123,13 @@ def test_output_fields(client, hf_stack, tok):
     # The pad token, forced, is a special token: left out of the text unless asked for.
     pad = {str(tok.pad_token_id): 100}
     assert complete(client, hf_stack, logit_bias=pad, max_tokens=3).choices[0].text == ""
-    raw = complete(client, hf_stack, logit_bias=pad, max_tokens=3,
-                   extra_body={"skip_special_tokens": False, "spaces_between_special_tokens": False})  # fmt: skip
+    raw = complete(
+        client,
+        hf_stack,
+        logit_bias=pad,
+        max_tokens=3,
+        extra_body={"skip_special_tokens": False, "spaces_between_special_tokens": False},
+    )
     assert raw.choices[0].text == tok.pad_token * 3
     ids = tok(PROMPT).input_ids
     out = complete(client, hf_stack, extra_body={"add_special_tokens": False, "return_token_ids": True})
@@ -142,16 +156,39 @@ def test_prompt_logprobs(client, hf_stack, tok):
 # Small enough that a random-weight model closes them well within max_tokens: bounded numbers,
 # enums, short strings, short arrays.
 SCHEMAS = [
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-     "required": ["ok", "n"], "additionalProperties": False},
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
-     "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    },
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 3},
-    {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6}}, "required": ["name"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"],
-     "additionalProperties": False}}, "required": ["a"], "additionalProperties": False},
-]  # fmt: skip
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6}},
+        "required": ["name"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {"b": {"type": "boolean"}},
+                "required": ["b"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+]
 
 
 def test_fifty_structured_requests_all_valid(client, hf_stack):
@@ -159,7 +196,9 @@ def test_fifty_structured_requests_all_valid(client, hf_stack):
         schema = SCHEMAS[i % 5]
         kw = dict(prompt=f"Record {i}:", max_tokens=64, temperature=0 if i % 2 else 1.0, seed=i)
         if i % 3:  # OpenAI's response_format, and vLLM's structured_outputs
-            kw["extra_body"] = {"response_format": {"type": "json_schema", "json_schema": {"name": f"s{i % 5}", "schema": schema}}}
+            kw["extra_body"] = {
+                "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i % 5}", "schema": schema}}
+            }
         else:
             kw["extra_body"] = {"structured_outputs": {"json": schema}}
         return schema, complete(client, hf_stack, **kw).choices[0]
@@ -174,23 +213,40 @@ def test_fifty_structured_requests_all_valid(client, hf_stack):
 
 def test_regex_choice_grammar_json_object(client, hf_stack):
     for extra, valid in [
-        ({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}}, lambda t: len(t) == 6 and t[:3].isdigit() and t[3] == "-"),
+        (
+            {"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}},
+            lambda t: len(t) == 6 and t[:3].isdigit() and t[3] == "-",
+        ),
         ({"structured_outputs": {"choice": ["yes", "no", "maybe so"]}}, lambda t: t in ("yes", "no", "maybe so")),
         ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
-        ({"structured_outputs": {"grammar": 'root ::= "(" [a-c] ("," [a-c])? ")"'}},
-         lambda t: t[0] == "(" and t[-1] == ")" and set(t[1:-1]) <= set("abc,")),
-        ({"structured_outputs": {"grammar": 'start: "x" DIGIT\nDIGIT: /[0-9]/'}}, lambda t: t[0] == "x" and t[1:].isdigit()),
-        ({"response_format": {"type": "json_object"}, "structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
-         lambda t: isinstance(json.loads(t), dict) and " " not in t),
-    ]:  # fmt: skip
+        (
+            {"structured_outputs": {"grammar": 'root ::= "(" [a-c] ("," [a-c])? ")"'}},
+            lambda t: t[0] == "(" and t[-1] == ")" and set(t[1:-1]) <= set("abc,"),
+        ),
+        (
+            {"structured_outputs": {"grammar": 'start: "x" DIGIT\nDIGIT: /[0-9]/'}},
+            lambda t: t[0] == "x" and t[1:].isdigit(),
+        ),
+        (
+            {
+                "response_format": {"type": "json_object"},
+                "structured_outputs": {"json_object": True, "disable_any_whitespace": True},
+            },
+            lambda t: isinstance(json.loads(t), dict) and " " not in t,
+        ),
+    ]:
         for seed in (1, 2):
             out = complete(client, hf_stack, temperature=1.0, seed=seed, max_tokens=40, extra_body=extra).choices[0]
             assert out.finish_reason == "stop" and valid(out.text), (extra, out.text)
     # Chat takes the same fields.
     for seed in (1, 2):
         out = client.chat.completions.create(
-            model=hf_stack.name, messages=[{"role": "user", "content": "Pick"}], max_tokens=40, temperature=1.0,
-            seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMAS[1]}},
+            model=hf_stack.name,
+            messages=[{"role": "user", "content": "Pick"}],
+            max_tokens=40,
+            temperature=1.0,
+            seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMAS[1]}},
             extra_body={"min_p": 0.01, "return_token_ids": True},
         )
         assert out.choices[0].finish_reason == "stop"
@@ -215,7 +271,9 @@ def test_bad_constraints_and_unknown_fields_are_400_naming_the_field(client, hf_
         complete(client, hf_stack, prompt=[5000])
     assert info.value.body["param"] == "prompt"
     # Fields that cannot change the output are accepted and ignored.
-    out = complete(client, hf_stack, user="u", extra_body={"metadata": {"k": "v"}, "store": False, "service_tier": "auto"})
+    out = complete(
+        client, hf_stack, user="u", extra_body={"metadata": {"k": "v"}, "store": False, "service_tier": "auto"}
+    )
     assert out.choices[0].text == complete(client, hf_stack).choices[0].text
 
 
@@ -226,10 +284,12 @@ def test_rows_follow_joins_selects_and_heads(tok):
     vocab = 4096
     schema = json.dumps(SCHEMAS[1])
     params = [
-        SamplingParams(), SamplingParams(logit_bias={77: 100}), SamplingParams(allowed_token_ids=[40, 41]),
+        SamplingParams(),
+        SamplingParams(logit_bias={77: 100}),
+        SamplingParams(allowed_token_ids=[40, 41]),
         SamplingParams(structured_outputs=StructuredOutput(json_schema=schema)),
         SamplingParams(bad_words=["blue"]),
-    ]  # fmt: skip
+    ]
     procs = RowProcessors.build(params[:3], [[2]] * 3, [0] * 3, 2, vocab, tokenizer=tok)
     new = RowProcessors.build(params[3:], [[2]] * 2, [0] * 2, 2, vocab, tokenizer=tok)
     procs = RowProcessors.join(procs, new, 3, 2, vocab)

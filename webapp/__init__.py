@@ -7,8 +7,8 @@ from flask import Flask
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tasks.celery_app import BLOCKING_SOCKET_TIMEOUT_S, SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
 from tasks import redis_conn
+from tasks.celery_app import BLOCKING_SOCKET_TIMEOUT_S, SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
 from tasks.config import Settings, get_settings
 from webapp import auth, batches, completions, errors, ids, metrics, openapi
 from webapp.routes import batches as batch_routes

@@ -12,8 +12,9 @@ parse and call it.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from flask import Response, current_app, request
 from pydantic import BaseModel
@@ -65,7 +66,7 @@ class Jobs:
         return ["\n".join(m.content for m in self.chat.messages)]
 
     @classmethod
-    def of(cls, req: BaseModel, prompts: list[str], exclude: set[str], **kw: Any) -> "Jobs":
+    def of(cls, req: BaseModel, prompts: list[str], exclude: set[str], **kw: Any) -> Jobs:
         """The jobs of a body that is SamplingParams and Scheduling fields beside `exclude`
         (`/v1/jobs`, the teaching endpoints)."""
         params, sched = split_request(req, exclude)
@@ -100,10 +101,13 @@ class Submitted:
         return entry
 
     @classmethod
-    def from_entry(cls, entry: dict[str, Any]) -> "Submitted":
+    def from_entry(cls, entry: dict[str, Any]) -> Submitted:
         jobs = Jobs(
-            prompts=entry.get("prompts") or [], params=SamplingParams(logprobs=entry.get("logprobs")),
-            n=entry.get("n", 1), echo=bool(entry.get("echo")), api=entry.get("api", "completions"),
+            prompts=entry.get("prompts") or [],
+            params=SamplingParams(logprobs=entry.get("logprobs")),
+            n=entry.get("n", 1),
+            echo=bool(entry.get("echo")),
+            api=entry.get("api", "completions"),
             best_of=entry.get("best_of"),
         )
         return cls(jobs, entry["ids"], entry["model"], int(entry["created"]))
@@ -113,7 +117,7 @@ class Submitted:
 EXTENSION = "genq_completions"
 
 
-def current_completions() -> "CompletionService":
+def current_completions() -> CompletionService:
     """The CompletionService of the app handling this request."""
     return current_app.extensions[EXTENSION]
 
@@ -143,7 +147,13 @@ class CompletionService:
         if req.best_of and params.logprobs is None:  # `best` ranks them by their tokens' logprobs
             params = params.model_copy(update={"logprobs": 0})
         ids = s.enqueue(
-            req.prompts, params, model, stream=req.stream, sched=req.sched, owner=owner, n=req.per_prompt,
+            req.prompts,
+            params,
+            model,
+            stream=req.stream,
+            sched=req.sched,
+            owner=owner,
+            n=req.per_prompt,
             chat=req.chat,
         )
         return Submitted(req, ids, model, created)
@@ -204,11 +214,17 @@ def best(sub: Submitted, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def completion_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
     jobs, n = sub.jobs, sub.jobs.n
     choices = [
-        openai.choice(k, (jobs.prompts[k // n] if jobs.echo else "") + r["text"], r["finish_reason"],
-                      r.get("logprobs"), prompt_logprobs=r.get("prompt_logprobs"),
-                      prompt_token_ids=r.get("prompt_token_ids"), token_ids=r.get("token_ids"))
+        openai.choice(
+            k,
+            (jobs.prompts[k // n] if jobs.echo else "") + r["text"],
+            r["finish_reason"],
+            r.get("logprobs"),
+            prompt_logprobs=r.get("prompt_logprobs"),
+            prompt_token_ids=r.get("prompt_token_ids"),
+            token_ids=r.get("token_ids"),
+        )
         for k, r in enumerate(results)
-    ]  # fmt: skip
+    ]
     total = openai.usage(sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results))
     return openai.completion(sub.response_id, sub.model, choices, total, sub.created)
 
@@ -277,23 +293,26 @@ def chat_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
     top = sub.jobs.params.logprobs
     choices = [
         openai.ChatChoice(
-            index=k, message=openai.AssistantMessage(content=r["text"]),
+            index=k,
+            message=openai.AssistantMessage(content=r["text"]),
             finish_reason=openai.finish(r["finish_reason"]),
             logprobs=openai.logprobs_of(r.get("logprobs"), top or 0) if top is not None else None,
         )
         for k, r in enumerate(results)
     ]
     total = openai.usage(sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results))
-    body = openai.ChatCompletionResponse(id=sub.response_id, created=sub.created, model=sub.model, choices=choices,
-                                         usage=total)
+    body = openai.ChatCompletionResponse(
+        id=sub.response_id, created=sub.created, model=sub.model, choices=choices, usage=total
+    )
     return body.model_dump(mode="json")
 
 
 class _ChatRelay(_Relay):
     def _event(self, choices: list[openai.ChatStreamChoice], usage: openai.Usage | None = None) -> str:
         sub = self.sub
-        chunk = openai.ChatCompletionChunk(id=sub.response_id, created=sub.created, model=sub.model, choices=choices,
-                                           usage=usage)
+        chunk = openai.ChatCompletionChunk(
+            id=sub.response_id, created=sub.created, model=sub.model, choices=choices, usage=usage
+        )
         return sse.event(chunk.model_dump(mode="json", exclude=None if usage else {"usage"}))
 
     def chunk(self, i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> str:

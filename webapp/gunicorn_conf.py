@@ -60,8 +60,10 @@ def _json_error(sock, status_int, reason, mesg):
     kind = "invalid_request_error" if status_int < 500 else "server_error"
     error = {"code": reason.lower().replace(" ", "_"), "message": mesg or reason, "type": kind, "param": None}
     body = json.dumps({"error": error}).encode()
-    head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     util.write_nonblock(sock, head.encode("latin-1") + body)
 
 

@@ -38,8 +38,25 @@ from webapp.service import EXTENSION
 log = logging.getLogger(__name__)
 
 # The API's request latency: from milliseconds (a job's record) to GENQ_MAX_WAIT (blocking calls).
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                   60.0, 120.0, 300.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 
 # Read from Redis at scrape time, not counted: (name, help).
 WORKERS_LIVE = ("genq:workers_live", "Live workers with a loaded model, per model and engine.")
@@ -55,17 +72,29 @@ class ApiMetrics:
         from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
         registry = registry or REGISTRY
-        self.requests = Counter("genq:api_requests", "HTTP requests by route, method and status.",
-                                ["route", "method", "status"], registry=registry)
-        self.latency = Histogram("genq:api_request_duration_seconds", "Seconds from a request's arrival "
-                                 "to its response (a stream: until it opens), by route and method.",
-                                 ["route", "method"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests = Counter(
+            "genq:api_requests",
+            "HTTP requests by route, method and status.",
+            ["route", "method", "status"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "genq:api_request_duration_seconds",
+            "Seconds from a request's arrival to its response (a stream: until it opens), by route and method.",
+            ["route", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.submitted = Counter("genq:api_jobs_submitted", "Jobs queued.", ["model_name"], registry=registry)
-        self.rejected = Counter("genq:api_jobs_rejected", "Job submissions refused: 429 (queue full, "
-                                "quota) or 503 (no worker, Redis away), by the error's code.",
-                                ["status", "reason"], registry=registry)
-        self.open_streams = Gauge("genq:api_open_streams", "Token streams being sent (SSE).",
-                                  multiprocess_mode="livesum", registry=registry)
+        self.rejected = Counter(
+            "genq:api_jobs_rejected",
+            "Job submissions refused: 429 (queue full, quota) or 503 (no worker, Redis away), by the error's code.",
+            ["status", "reason"],
+            registry=registry,
+        )
+        self.open_streams = Gauge(
+            "genq:api_open_streams", "Token streams being sent (SSE).", multiprocess_mode="livesum", registry=registry
+        )
 
 
 _m: ApiMetrics | None = None
@@ -128,7 +157,8 @@ def _record(response: Response) -> Response:
     arrived = g.pop("genq_arrived", None)
     if arrived is not None:
         _m.latency.labels(rule.rule if rule else "unmatched", method_label(request.method)).observe(
-            time.perf_counter() - arrived)
+            time.perf_counter() - arrived
+        )
     _m.requests.labels(rule.rule if rule else "unmatched", method_label(request.method), str(status)).inc()
     if status in (429, 503) and request.method == "POST":
         body = response.get_json(silent=True) or {}

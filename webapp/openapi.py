@@ -17,8 +17,9 @@ in the text.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from flask import Flask, current_app
 from pydantic import BaseModel
@@ -189,16 +190,17 @@ def build(app: Flask) -> dict:
             params = list(path_params)
             if meta is None:
                 # Not documented yet: any JSON (an error is still an ErrorResponse).
-                responses: dict[str, Any] = {"default": {
-                    "description": "the route's answer (not described here), or an error",
-                    "content": {"application/json": {"schema": {}}},
-                }}  # fmt: skip
+                responses: dict[str, Any] = {
+                    "default": {
+                        "description": "the route's answer (not described here), or an error",
+                        "content": {"application/json": {"schema": {}}},
+                    }
+                }
             else:
                 params += [
-                    {"name": p.name, "in": p.where, "required": False, "schema": p.schema,
-                     "description": p.description}
+                    {"name": p.name, "in": p.where, "required": False, "schema": p.schema, "description": p.description}
                     for p in meta.params
-                ]  # fmt: skip
+                ]
                 if meta.body is not None:
                     op["requestBody"] = {"required": True, "content": _json(ref[meta.body])}
                 elif meta.form is not None:

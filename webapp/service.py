@@ -7,13 +7,14 @@ records and heartbeats and through Celery only to publish the job message.
 from __future__ import annotations
 
 import logging
+import re
 import select
 import socket
 import threading
-import re
 import time
 import uuid
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import redis
 from celery import Celery
@@ -22,9 +23,9 @@ from kombu.exceptions import KombuError
 
 from tasks import keys
 from tasks.celery_app import job_message
-from tasks.kombu_compat import send_sent_events
 from tasks.config import Settings, queue_for
 from tasks.jobs import RESULT_RAW, JobStore, QuotaExceeded, decode_record
+from tasks.kombu_compat import send_sent_events
 from tasks.registry import Registry, WorkerInfo
 from tasks.schemas import ChatOptions, JobSpec, JobStatus, SamplingParams
 from tasks.streams import StreamEnd, TokenEvent, follow
@@ -75,7 +76,7 @@ def client_gone(environ: dict | None) -> Callable[[], bool] | None:
 EXTENSION = "genq"
 
 
-def current_service() -> "JobService":
+def current_service() -> JobService:
     """The JobService of the app handling this request."""
     return current_app.extensions[EXTENSION]
 
@@ -150,7 +151,9 @@ class JobService:
         models = {w.model for w in self.live_workers() if w.engine == engine}
         if not models:
             raise APIError(
-                503, "no_worker", f"no live {engine} worker; start one with GENQ_ENGINE={engine}",
+                503,
+                "no_worker",
+                f"no live {engine} worker; start one with GENQ_ENGINE={engine}",
                 {"Retry-After": "5"},
             )
         return self.settings.served_model if self.settings.served_model in models else min(models)
@@ -201,18 +204,17 @@ class JobService:
             return params
         if key.max_queued is not None and len(prompts) > key.max_queued:
             raise APIError(
-                413, "too_many_prompts",
+                413,
+                "too_many_prompts",
                 f"{len(prompts)} prompts; this API key may have at most {key.max_queued} jobs waiting",
                 param="prompts",
-            )  # fmt: skip
+            )
         ceiling = key.max_new_tokens
         if ceiling is not None and params.max_new_tokens is None:
             if self.settings.default_max_new_tokens > ceiling:
                 return params.model_copy(update={"max_new_tokens": ceiling})
         elif ceiling is not None and params.max_new_tokens > ceiling:
-            raise APIError(
-                400, "invalid_request", f"max_new_tokens: must be at most {ceiling} (this API key's limit)"
-            )
+            raise APIError(400, "invalid_request", f"max_new_tokens: must be at most {ceiling} (this API key's limit)")
         return params
 
     def enqueue(
@@ -239,25 +241,38 @@ class JobService:
         sched = sched or Scheduling()
         deadline = sched.deadline_from(time.time())
         specs = [
-            JobSpec(id=str(uuid.uuid4()), model=model, prompt=p if isinstance(p, str) else "",
-                    prompt_token_ids=None if isinstance(p, str) else p, chat=chat, params=params.for_choice(k % n), stream=stream,
-                    priority=sched.priority, deadline=deadline, owner=owner.name if owner else None)
+            JobSpec(
+                id=str(uuid.uuid4()),
+                model=model,
+                prompt=p if isinstance(p, str) else "",
+                prompt_token_ids=None if isinstance(p, str) else p,
+                chat=chat,
+                params=params.for_choice(k % n),
+                stream=stream,
+                priority=sched.priority,
+                deadline=deadline,
+                owner=owner.name if owner else None,
+            )
             for k, p in enumerate(prompts)
         ]
         # The jobs' messages go onto the queue in the call that records them.
         messages = [job_message(self.celery, spec, queue) for spec in specs]
         try:
             created, depth = self.store.create(
-                specs, queue, self.settings.max_queue_depth, owner.max_queued if owner else None,
+                specs,
+                queue,
+                self.settings.max_queue_depth,
+                owner.max_queued if owner else None,
                 [(m.key, m.payload) for m in messages],
-            )  # fmt: skip
+            )
         except QuotaExceeded as exc:
             raise APIError(
-                429, "quota_exceeded",
+                429,
+                "quota_exceeded",
                 f"this API key has {exc.queued} jobs waiting, its limit is {exc.limit}; "
                 "try again once some have started",
                 {"Retry-After": "1"},
-            ) from None  # fmt: skip
+            ) from None
         if not created:
             raise APIError(
                 429,
@@ -277,9 +292,7 @@ class JobService:
 
     # -- outcomes --------------------------------------------------------------------------
 
-    def view(
-        self, job_id: str, wait: float = 0.0, exists: bool = False, owner: str | None = None
-    ) -> dict[str, Any]:
+    def view(self, job_id: str, wait: float = 0.0, exists: bool = False, owner: str | None = None) -> dict[str, Any]:
         """The job as the client sees it. With `owner` (an API key's name) another key's job
         is a 404 too, before any wait: a wait must not tell that the id exists."""
         if owner is not None and wait > 0 and not exists:
@@ -312,9 +325,7 @@ class JobService:
             self.abandon(job_ids)
             raise APIError(499, "client_closed_request", "the client closed the connection") from None
 
-    def outcome(
-        self, job_id: str, deadline: float, gone: Callable[[], bool] | None = None
-    ) -> dict[str, Any]:
+    def outcome(self, job_id: str, deadline: float, gone: Callable[[], bool] | None = None) -> dict[str, Any]:
         """The result of a job this request submitted, or the error that ended it. With
         `gone`, waits in slices and raises ClientGone once it says the client left."""
         while True:
@@ -329,9 +340,7 @@ class JobService:
         if status == JobStatus.succeeded.value:
             return body["result"]
         if status in (JobStatus.queued.value, JobStatus.running.value):
-            raise APIError(
-                504, "timeout", f"job {job_id} is still {status}; poll GET /v1/jobs/{job_id}"
-            )
+            raise APIError(504, "timeout", f"job {job_id} is still {status}; poll GET /v1/jobs/{job_id}")
         error = body.get("error") or {"code": status, "message": f"job {status}"}
         # A worker's check of the request (worker/engines/logits.py: check) names its field first.
         field = JOB_ERROR_FIELD.match(error["message"]) if error["code"] == "invalid_request" else None

@@ -10,8 +10,8 @@ response). Those streams notice a client that went away by its socket instead.""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Union
 
 from flask import Response, has_request_context, request
 
@@ -49,7 +49,7 @@ class Last:
 
 
 # What a framing callback returns: a frame to send, a Last one, or None to send nothing.
-Frame = Union[str, Last, None]
+Frame = str | Last | None
 
 
 def relay(

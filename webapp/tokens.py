@@ -30,8 +30,13 @@ def ask(service: JobService, model: str | None, req: dict) -> dict:
     deadline = time.time() + ANSWER_WAIT_S
     try:
         service.celery.send_task(
-            TOKENIZE_TASK, args=[{**req, "id": request_id}], task_id=request_id, queue=queue_for(model),
-            priority=broker_priority(PRIORITY_MIN), expires=ANSWER_WAIT_S, argsrepr=f"{req['op']} {request_id}",
+            TOKENIZE_TASK,
+            args=[{**req, "id": request_id}],
+            task_id=request_id,
+            queue=queue_for(model),
+            priority=broker_priority(PRIORITY_MIN),
+            expires=ANSWER_WAIT_S,
+            argsrepr=f"{req['op']} {request_id}",
         )
         blocking = getattr(service, "blocking", service.r)
         while time.time() < deadline:

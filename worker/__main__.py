@@ -16,23 +16,23 @@ import threading
 import time
 
 import redis
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from kombu.exceptions import KombuError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
-from kombu.exceptions import KombuError
-from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
-from tasks.celery_app import WORKER_REDIS_RETRY_S, make_celery
 from tasks import logs, redis_conn
-from tasks.kombu_compat import guard_restores
+from tasks.celery_app import WORKER_REDIS_RETRY_S, make_celery
 from tasks.config import get_settings, queue_for
 from tasks.jobs import JobStore
+from tasks.kombu_compat import guard_restores
 from tasks.registry import Registry, WorkerInfo
-from worker.recovery import Reaper
 from worker import metrics, tasks
-from worker.tasks import WorkerTask
 from worker.chat import Chat
 from worker.engines import create_engine
 from worker.publisher import StreamPublisher
+from worker.recovery import Reaper
+from worker.tasks import WorkerTask
 
 log = logging.getLogger("genq.worker")
 
@@ -48,9 +48,7 @@ class Heartbeat(threading.Thread):
     long the outage lasted. A beat that was held up for longer than `gap` records the outage
     for the API's readiness (tasks/registry.py)."""
 
-    def __init__(
-        self, registry: Registry, info: WorkerInfo, interval: float, reaper: Reaper, reconcile_every: float
-    ):
+    def __init__(self, registry: Registry, info: WorkerInfo, interval: float, reaper: Reaper, reconcile_every: float):
         super().__init__(name="genq-heartbeat", daemon=True)
         self.registry, self.info, self.interval, self.reaper = registry, info, interval, reaper
         self.reconcile_every = reconcile_every
@@ -75,8 +73,11 @@ class Heartbeat(threading.Thread):
                         self.registry.outage(prev, now)
                     self.unbroken_since = now
                     if prev is not None:
-                        log.warning("Redis did not serve this worker for %.1f s; judging no other "
-                                    "worker for the next %.0f s", now - prev, self.ttl)
+                        log.warning(
+                            "Redis did not serve this worker for %.1f s; judging no other worker for the next %.0f s",
+                            now - prev,
+                            self.ttl,
+                        )
                 failed = False
                 if self.judges(now):
                     # Redis may stall between the two calls: the sweep's own look must still
@@ -134,8 +135,14 @@ def main() -> None:
     log.info("loading %s engine for %s", settings.engine, settings.model)
     engine = create_engine(settings, publisher)
     log.info("engine loaded in %.1f s; capacity %d", time.monotonic() - started, engine.capacity)
-    metrics_port = metrics.start(settings.metrics_port, settings.metrics_host, settings.served_model,
-                                 engine.name, engine.max_model_len, engine.device)
+    metrics_port = metrics.start(
+        settings.metrics_port,
+        settings.metrics_host,
+        settings.served_model,
+        engine.name,
+        engine.max_model_len,
+        engine.device,
+    )
     store = JobStore(client, settings.result_ttl, settings.max_attempts)
     chat = Chat(getattr(engine, "tok", None), settings.chat_template, engine.max_model_len)
     WorkerTask.equip(engine=engine, store=store, worker_name=name, publisher=publisher, chat=chat)

@@ -86,5 +86,7 @@ class Chat:
         size = len(self.tok)
         bad = [t for t in tokens if not 0 <= t < size]
         if bad:
-            raise GenerationError("invalid_request", f"tokens: {bad[0]} is not a token id of this model (0 to {size - 1})")
+            raise GenerationError(
+                "invalid_request", f"tokens: {bad[0]} is not a token id of this model (0 to {size - 1})"
+            )
         return {"prompt": self.tok.decode(tokens)}

@@ -24,8 +24,9 @@ import sysconfig
 import tempfile
 import time
 import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 __all__ = [
     "ARCHS",
@@ -125,34 +126,42 @@ def _rotary(config_class: str, model_class: str, kv_heads: Callable[[int], int] 
 
     def make(size: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
         heads = size["num_attention_heads"]
-        return config_class, model_class, {
-            "vocab_size": size["vocab_size"],
-            "hidden_size": size["hidden_size"],
-            "intermediate_size": size["ffn_dim"],
-            "num_hidden_layers": size["num_hidden_layers"],
-            "num_attention_heads": heads,
-            **({"num_key_value_heads": kv_heads(heads)} if kv_heads else {}),
-            "max_position_embeddings": size["max_position_embeddings"],
-            "initializer_range": _INIT,
-            "tie_word_embeddings": False,
-            **_IDS,
-            **{k: v(size) if callable(v) else v for k, v in extra.items()},
-        }
+        return (
+            config_class,
+            model_class,
+            {
+                "vocab_size": size["vocab_size"],
+                "hidden_size": size["hidden_size"],
+                "intermediate_size": size["ffn_dim"],
+                "num_hidden_layers": size["num_hidden_layers"],
+                "num_attention_heads": heads,
+                **({"num_key_value_heads": kv_heads(heads)} if kv_heads else {}),
+                "max_position_embeddings": size["max_position_embeddings"],
+                "initializer_range": _INIT,
+                "tie_word_embeddings": False,
+                **_IDS,
+                **{k: v(size) if callable(v) else v for k, v in extra.items()},
+            },
+        )
 
     return make
 
 
 def _gpt2(size: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
-    return "GPT2Config", "GPT2LMHeadModel", {
-        "vocab_size": size["vocab_size"],
-        "n_embd": size["hidden_size"],
-        "n_layer": size["num_hidden_layers"],
-        "n_head": size["num_attention_heads"],
-        "n_inner": size["ffn_dim"],
-        "n_positions": size["max_position_embeddings"],
-        "initializer_range": _INIT,
-        **_IDS,
-    }
+    return (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {
+            "vocab_size": size["vocab_size"],
+            "n_embd": size["hidden_size"],
+            "n_layer": size["num_hidden_layers"],
+            "n_head": size["num_attention_heads"],
+            "n_inner": size["ffn_dim"],
+            "n_positions": size["max_position_embeddings"],
+            "initializer_range": _INIT,
+            **_IDS,
+        },
+    )
 
 
 def _half(heads: int) -> int:
@@ -167,13 +176,25 @@ ARCHS: dict[str, Any] = {
     "llama": _rotary("LlamaConfig", "LlamaForCausalLM", kv_heads=_half),
     "qwen2": _rotary("Qwen2Config", "Qwen2ForCausalLM", kv_heads=_half),
     # A sliding window shorter than the context, as Mistral 7B v0.1 has (4096 of 32768).
-    "mistral": _rotary("MistralConfig", "MistralForCausalLM", kv_heads=_half,
-                       sliding_window=lambda size: size["max_position_embeddings"] // 2),
+    "mistral": _rotary(
+        "MistralConfig",
+        "MistralForCausalLM",
+        kv_heads=_half,
+        sliding_window=lambda size: size["max_position_embeddings"] // 2,
+    ),
     "phi3": _rotary("Phi3Config", "Phi3ForCausalLM"),
-    "gpt_neox": _rotary("GPTNeoXConfig", "GPTNeoXForCausalLM", rotary_pct=0.25,  # Pythia's partial rotary
-                        use_parallel_residual=True),
-    "gemma": _rotary("GemmaConfig", "GemmaForCausalLM", kv_heads=lambda heads: 1,
-                     head_dim=lambda size: size["hidden_size"] // size["num_attention_heads"]),
+    "gpt_neox": _rotary(
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        rotary_pct=0.25,  # Pythia's partial rotary
+        use_parallel_residual=True,
+    ),
+    "gemma": _rotary(
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        kv_heads=lambda heads: 1,
+        head_dim=lambda size: size["hidden_size"] // size["num_attention_heads"],
+    ),
 }
 
 
@@ -186,6 +207,7 @@ def model_config(arch: str, shape: str) -> tuple[str, str, dict[str, Any]]:
     if ARCHS[arch] is None:
         return "OPTConfig", "OPTForCausalLM", dict(SHAPES[shape])
     return ARCHS[arch](SHAPES[shape])
+
 
 # Cap on training text per shape (characters).  The whole 3.11 stdlib is ~12.6M characters and
 # trains the 50k tokenizer in a few seconds.

@@ -61,7 +61,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 import redis
 from celery import Celery
@@ -117,8 +117,12 @@ class Reaper:
         for job_id, tag in inflight.items():
             restored += self._recover_job(keys.inflight(worker), job_id, tag, job_id in forgiven)
         if inflight:
-            log.warning("worker %s stopped answering; %d of its %d jobs restored to their queues",
-                        worker, restored, len(inflight))
+            log.warning(
+                "worker %s stopped answering; %d of its %d jobs restored to their queues",
+                worker,
+                restored,
+                len(inflight),
+            )
         return restored
 
     def forgive(self, inflight: dict[str, str]) -> set[str]:
@@ -177,7 +181,7 @@ class Reaper:
         adrift: dict[str, Callable[[], bool]] = {}
         live = set(self.registry.r.hkeys(keys.WORKERS))
         for key in self.store.r.scan_iter(match=keys.inflight("*"), count=100):
-            worker = key[len(keys.inflight("")):]
+            worker = key[len(keys.inflight("")) :]
             if worker == self.me:
                 mine = set(self.running())
                 for job_id, tag in self.store.r.hgetall(key).items():
@@ -315,7 +319,6 @@ class Reaper:
                 conn.close()
             except (redis.RedisError, OSError):
                 pass
-
 
 
 def _message_id(message: dict) -> str:

@@ -9,7 +9,7 @@ waiting goes first), so a solo job is never starved by a stream of others.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 
 class Gate:

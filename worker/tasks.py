@@ -28,10 +28,10 @@ from tasks import keys
 from tasks.celery_app import GENERATE_TASK, TOKENIZE_TASK
 from tasks.jobs import ACTIVE, Attempt, JobStore
 from tasks.schemas import GenerationResult, JobSpec, JobStatus
-from worker.engines import Engine, GenerationError
-from worker.chat import Chat
-from worker.engines.base import JobCancelled
 from worker import metrics
+from worker.chat import Chat
+from worker.engines import Engine, GenerationError
+from worker.engines.base import JobCancelled
 from worker.publisher import StreamPublisher
 from worker.solo import Gate
 
@@ -61,9 +61,14 @@ class WorkerTask(Task):
 
     @classmethod
     def equip(
-        cls, *, engine: Engine, store: JobStore, worker_name: str,
-        publisher: StreamPublisher | None = None, chat: Chat | None = None,
-    ) -> None:  # fmt: skip
+        cls,
+        *,
+        engine: Engine,
+        store: JobStore,
+        worker_name: str,
+        publisher: StreamPublisher | None = None,
+        chat: Chat | None = None,
+    ) -> None:
         cls.engine, cls.store, cls.worker_name = engine, store, worker_name
         cls.publisher, cls.chat = publisher, chat
         cls.running = {}
@@ -125,8 +130,9 @@ def register(app: Celery) -> None:
         if not attempt.run:
             self.running.pop(spec.id, None)
             # Cancelled while queued, already final, expired, or out of attempts: nothing to run.
-            log.info("job %s skipped: status %s%s", spec.id, attempt.prev,
-                     " (out of attempts)" if attempt.exhausted else "")
+            log.info(
+                "job %s skipped: status %s%s", spec.id, attempt.prev, " (out of attempts)" if attempt.exhausted else ""
+            )
             raise Ignore()
         self.request.genq_attempt = attempt.number
         metrics.job_started(spec, attempt.number, self.request)

@@ -316,7 +316,9 @@ class BatchDriver:
             if cached is None or cached[0] != chunk_i:
                 chunk = self.r.lindex(keys.file_lines(rec["input_file_id"]), chunk_i)
                 if chunk is None:
-                    self._fail(rec, "file_not_found", f"input file {rec['input_file_id']} was deleted or expired mid-batch")
+                    self._fail(
+                        rec, "file_not_found", f"input file {rec['input_file_id']} was deleted or expired mid-batch"
+                    )
                     return fed
                 cached = (chunk_i, chunk_lines(chunk))
             lines = cached[1]

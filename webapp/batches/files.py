@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 import redis
 

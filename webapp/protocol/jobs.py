@@ -28,9 +28,7 @@ class Scheduling(BaseModel):
     timeout_s: float | None = Field(
         None, gt=0, le=TIMEOUT_S_MAX, allow_inf_nan=False, description="seconds from submission"
     )
-    deadline: float | None = Field(
-        None, gt=0, le=DEADLINE_MAX, allow_inf_nan=False, description="unix time"
-    )
+    deadline: float | None = Field(None, gt=0, le=DEADLINE_MAX, allow_inf_nan=False, description="unix time")
 
     @field_validator("deadline")
     @classmethod

@@ -18,8 +18,18 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationInfo, field_validator
 
 from tasks.schemas import (
-    LOGPROBS_MAX, PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN, STOP_TOKEN_IDS_MAX, TOKEN_ID_MAX, ChatMessage,
-    ChatOptions, Logprobs, PromptLogprob, SamplingParams,
+    LOGPROBS_MAX,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    SEED_MAX,
+    SEED_MIN,
+    STOP_TOKEN_IDS_MAX,
+    TOKEN_ID_MAX,
+    ChatMessage,
+    ChatOptions,
+    Logprobs,
+    PromptLogprob,
+    SamplingParams,
 )
 from webapp.errors import APIError
 from webapp.protocol.jobs import Scheduling
@@ -134,15 +144,25 @@ class VLLMFields(BaseModel):
         if so is not None:
             for field in ("disable_additional_properties", "whitespace_pattern", "structural_tag"):
                 if getattr(so, field) not in (None, False):
-                    raise APIError(400, "unsupported_parameter", f"{name}.{field} is not supported",
-                                   param=f"{name}.{field}")
-            kinds = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
-                     "json_object": so.json_object or None}
+                    raise APIError(
+                        400, "unsupported_parameter", f"{name}.{field} is not supported", param=f"{name}.{field}"
+                    )
+            kinds = {
+                "json": so.json_,
+                "regex": so.regex,
+                "choice": so.choice,
+                "grammar": so.grammar,
+                "json_object": so.json_object or None,
+            }
             out = {k: v for k, v in kinds.items() if v is not None}
             if so.disable_any_whitespace:
                 out["disable_any_whitespace"] = True
-        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
-                  "grammar": self.guided_grammar}
+        guided = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
         if any(v is not None for v in guided.values()):
             name = next(f"guided_{k}" for k, v in guided.items() if v is not None)
             out.update({k: v for k, v in guided.items() if v is not None})
@@ -154,27 +174,35 @@ class VLLMFields(BaseModel):
             if rf.type == "json_object":
                 out["json_object"] = True
             elif rf.json_schema is None or rf.json_schema.json_schema is None:
-                raise APIError(400, "invalid_request", "response_format: json_schema.schema is needed",
-                               param="response_format")
+                raise APIError(
+                    400, "invalid_request", "response_format: json_schema.schema is needed", param="response_format"
+                )
             else:
                 out["json"] = rf.json_schema.json_schema
         kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if k in out]
         if not kinds:
             if so is not None:
-                raise APIError(400, "invalid_request", f"{name}: one of json, regex, choice, grammar, json_object "
-                               "is needed", param=name)
+                raise APIError(
+                    400,
+                    "invalid_request",
+                    f"{name}: one of json, regex, choice, grammar, json_object is needed",
+                    param=name,
+                )
             return None
         if len(kinds) > 1:
-            raise APIError(400, "invalid_request", f"{name}: only one kind of constraint may be given, not "
-                           f"{' and '.join(kinds)}", param=name)
+            raise APIError(
+                400,
+                "invalid_request",
+                f"{name}: only one kind of constraint may be given, not {' and '.join(kinds)}",
+                param=name,
+            )
         if "json" in out:
             schema = out.pop("json")
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
                 except ValueError:
-                    raise APIError(400, "invalid_request", f"{name}: the JSON schema is not JSON",
-                                   param=name) from None
+                    raise APIError(400, "invalid_request", f"{name}: the JSON schema is not JSON", param=name) from None
             if not isinstance(schema, (dict, bool)):
                 raise APIError(400, "invalid_request", f"{name}: a JSON schema is an object", param=name)
             out["json_schema"] = json.dumps(schema, sort_keys=True)
@@ -182,8 +210,9 @@ class VLLMFields(BaseModel):
             try:
                 re.compile(out["regex"])
             except re.error as exc:
-                raise APIError(400, "invalid_request", f"{name}: not a regular expression ({exc})",
-                               param=name) from None
+                raise APIError(
+                    400, "invalid_request", f"{name}: not a regular expression ({exc})", param=name
+                ) from None
         if "choice" in out and (not out["choice"] or len(out["choice"]) > 256):
             raise APIError(400, "invalid_request", f"{name}: 1 to 256 choices", param=name)
         return out
@@ -195,8 +224,9 @@ class VLLMFields(BaseModel):
             try:
                 bias[int(k)] = v
             except ValueError:
-                raise APIError(400, "invalid_request", f"logit_bias: {k!r} is not a token id",
-                               param="logit_bias") from None
+                raise APIError(
+                    400, "invalid_request", f"logit_bias: {k!r} is not a token id", param="logit_bias"
+                ) from None
         return {
             "min_p": self.min_p or 0.0,
             "logit_bias": bias,
@@ -244,9 +274,11 @@ class CompletionRequest(VLLMFields):
         None, ge=1, le=N_MAX, description="generate this many per prompt, return the n of highest cumulative logprob"
     )
     logprobs: int | None = Field(
-        None, ge=0, le=LOGPROBS_MAX,
+        None,
+        ge=0,
+        le=LOGPROBS_MAX,
         description="per token, the log-probabilities of the chosen and the n likeliest tokens",
-    )  # fmt: skip
+    )
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     # vLLM's extensions.
@@ -330,30 +362,37 @@ class CompletionRequest(VLLMFields):
             raise APIError(400, "unsupported_parameter", f"{param} is not supported{hint}", param=param)
         if self.logprobs is not None and self.echo:
             raise APIError(
-                400, "unsupported_parameter",
+                400,
+                "unsupported_parameter",
                 "logprobs with echo is not supported (it would need the prompt's log-probabilities)",
                 param="logprobs",
-            )  # fmt: skip
+            )
         if self.best_of is not None and self.best_of < self.choices:
             raise APIError(400, "invalid_request", f"best_of must be at least n ({self.choices})", param="best_of")
         if (self.best_of or 1) > self.choices and self.stream:
             raise APIError(400, "invalid_request", "best_of above n cannot be streamed", param="best_of")
         if self.echo and any(not isinstance(p, str) for p in self.prompts):
-            raise APIError(400, "unsupported_parameter", "echo with a prompt of token ids is not supported",
-                           param="echo")
+            raise APIError(
+                400, "unsupported_parameter", "echo with a prompt of token ids is not supported", param="echo"
+            )
 
-    def to_jobs(self) -> "Jobs":
+    def to_jobs(self) -> Jobs:
         """The request's jobs: each prompt `n` times, with its SamplingParams (400 for a
         parameter this server does not implement)."""
         from webapp.completions import Jobs
 
         self.refuse_unsupported(n=True, logprobs=True)
         return Jobs(
-            self.prompts, SamplingParams.model_validate(self.sampling()), Scheduling(priority=self.priority),
-            model=self.model, n=self.choices, stream=bool(self.stream), echo=bool(self.echo),
+            self.prompts,
+            SamplingParams.model_validate(self.sampling()),
+            Scheduling(priority=self.priority),
+            model=self.model,
+            n=self.choices,
+            stream=bool(self.stream),
+            echo=bool(self.echo),
             include_usage=bool(self.stream_options and self.stream_options.include_usage),
             best_of=self.best_of if (self.best_of or 1) > self.choices else None,
-        )  # fmt: skip
+        )
 
     def sampling(self) -> dict:
         """The job's SamplingParams, as a dict (null fields take their defaults)."""
@@ -506,11 +545,24 @@ CHAT_NEUTRAL: dict[str, tuple] = {
 }
 
 # Names apply_chat_template takes itself: not the template's to set.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "chat_template", "tools", "documents", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "chat_template",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class TextPart(BaseModel):
@@ -545,19 +597,25 @@ class ChatTemplateFields(BaseModel):
     def chat_options(self) -> ChatOptions:
         if self.add_generation_prompt and self.continue_final_message:
             raise APIError(
-                400, "invalid_request", "add_generation_prompt and continue_final_message cannot both be true",
+                400,
+                "invalid_request",
+                "add_generation_prompt and continue_final_message cannot both be true",
                 param="continue_final_message",
             )
         kwargs = self.chat_template_kwargs or {}
         clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if clash:
             raise APIError(
-                400, "invalid_request", f"chat_template_kwargs: {clash[0]!r} cannot be set there",
+                400,
+                "invalid_request",
+                f"chat_template_kwargs: {clash[0]!r} cannot be set there",
                 param="chat_template_kwargs",
             )
         return ChatOptions(
-            messages=[m.to_message() for m in self.messages], add_generation_prompt=self.add_generation_prompt,
-            continue_final_message=self.continue_final_message, chat_template_kwargs=kwargs,
+            messages=[m.to_message() for m in self.messages],
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=kwargs,
         )
 
 
@@ -575,7 +633,9 @@ class ChatCompletionRequest(ChatTemplateFields, VLLMFields):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int | None = Field(1, ge=1, le=N_MAX, description=f"choices, at most {N_MAX}")
-    best_of: int | None = Field(None, ge=1, le=N_MAX, description="generate this many, return the n of highest cumulative logprob")
+    best_of: int | None = Field(
+        None, ge=1, le=N_MAX, description="generate this many, return the n of highest cumulative logprob"
+    )
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="with logprobs")
     stream: bool | None = False
@@ -631,39 +691,50 @@ class ChatCompletionRequest(ChatTemplateFields, VLLMFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "invalid_request", "top_logprobs: needs logprobs: true", param="top_logprobs")
 
-    def to_jobs(self) -> "Jobs":
+    def to_jobs(self) -> Jobs:
         """The conversation's jobs: one per choice, with its SamplingParams and messages."""
         from webapp.completions import Jobs
 
         self.refuse_unsupported()
         most = self.max_completion_tokens or self.max_tokens
         if self.min_tokens and most is not None and self.min_tokens > most:
-            raise APIError(400, "invalid_request", f"min_tokens: must not exceed max_tokens ({most})", param="min_tokens")
-        params = SamplingParams.model_validate({
-            "max_new_tokens": most,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": max(self.top_k or 0, 0),
-            "seed": self.seed,
-            "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
-            "ignore_eos": bool(self.ignore_eos),
-            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            "presence_penalty": self.presence_penalty or 0.0,
-            "frequency_penalty": self.frequency_penalty or 0.0,
-            "min_tokens": self.min_tokens or 0,
-            "stop_token_ids": list(self.stop_token_ids or []),
-            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
-            **self.output_params(),
-        })
+            raise APIError(
+                400, "invalid_request", f"min_tokens: must not exceed max_tokens ({most})", param="min_tokens"
+            )
+        params = SamplingParams.model_validate(
+            {
+                "max_new_tokens": most,
+                "temperature": 1.0 if self.temperature is None else self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "top_k": max(self.top_k or 0, 0),
+                "seed": self.seed,
+                "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
+                "ignore_eos": bool(self.ignore_eos),
+                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                "presence_penalty": self.presence_penalty or 0.0,
+                "frequency_penalty": self.frequency_penalty or 0.0,
+                "min_tokens": self.min_tokens or 0,
+                "stop_token_ids": list(self.stop_token_ids or []),
+                "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+                **self.output_params(),
+            }
+        )
         n, best_of = self.n or 1, self.best_of
         if best_of is not None and best_of < n:
             raise APIError(400, "invalid_request", f"best_of must be at least n ({n})", param="best_of")
         if (best_of or 1) > n and self.stream:
             raise APIError(400, "invalid_request", "best_of above n cannot be streamed", param="best_of")
         return Jobs(
-            [""], params, Scheduling(priority=self.priority), model=self.model, n=self.n or 1, api="chat",
-            stream=bool(self.stream), include_usage=bool(self.stream_options and self.stream_options.include_usage),
-            chat=self.chat_options(), best_of=best_of if (best_of or 1) > n else None,
+            [""],
+            params,
+            Scheduling(priority=self.priority),
+            model=self.model,
+            n=self.n or 1,
+            api="chat",
+            stream=bool(self.stream),
+            include_usage=bool(self.stream_options and self.stream_options.include_usage),
+            chat=self.chat_options(),
+            best_of=best_of if (best_of or 1) > n else None,
         )
 
 

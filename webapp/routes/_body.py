@@ -19,10 +19,12 @@ def parse(model: type[M]) -> M:
     mimetype = request.mimetype
     if mimetype != "application/json" and not (mimetype.startswith("application/") and mimetype.endswith("+json")):
         raise APIError(
-            415, "unsupported_media_type",
+            415,
+            "unsupported_media_type",
             f"the body must be JSON, sent with `Content-Type: application/json` (got {mimetype!r})"
-            if mimetype else "the body must be JSON, sent with `Content-Type: application/json`",
-        )  # fmt: skip
+            if mimetype
+            else "the body must be JSON, sent with `Content-Type: application/json`",
+        )
     raw = request.get_data(cache=False)
     if not raw.strip():
         raise APIError(400, "invalid_request", "the request needs a JSON body")

@@ -19,8 +19,7 @@ bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 
 
 @bp.post("")
-@doc(body=JobRequest, status=202, response=JobCreated, errors=SUBMIT_ERRORS,
-     headers={"Location": "the job's URL"})
+@doc(body=JobRequest, status=202, response=JobCreated, errors=SUBMIT_ERRORS, headers={"Location": "the job's URL"})
 def create_job():
     """Queue one job."""
     req = parse(JobRequest)
@@ -31,10 +30,18 @@ def create_job():
 
 
 @bp.get("/<job_id>")
-@doc(response=JobView, errors=(400, 404, 503), params=(
-    Param("wait", "query", {"type": "number", "minimum": 0},
-          "wait up to this many seconds (at most GENQ_MAX_WAIT) for the job to end"),
-))  # fmt: skip
+@doc(
+    response=JobView,
+    errors=(400, 404, 503),
+    params=(
+        Param(
+            "wait",
+            "query",
+            {"type": "number", "minimum": 0},
+            "wait up to this many seconds (at most GENQ_MAX_WAIT) for the job to end",
+        ),
+    ),
+)
 def get_job(job_id: str):
     """A job: its status, timings, and its result or error once it has ended."""
     wait = _wait_arg()
@@ -45,11 +52,14 @@ RESTARTED = "the job started over on another worker: discard the text received s
 
 
 @bp.get("/<job_id>/stream")
-@doc(stream=SSE("`token` events, then `done` or `error`; `restart`", ("token", "done", "error", "restart")),
-     errors=(400, 404, 503), params=(
-    Param("Last-Event-ID", "header", {"type": "string"}, "resume after this event id (`k` or `attempt:k`)"),
-    Param("last_event_id", "query", {"type": "string"}, "the same, for clients that cannot set headers"),
-))  # fmt: skip
+@doc(
+    stream=SSE("`token` events, then `done` or `error`; `restart`", ("token", "done", "error", "restart")),
+    errors=(400, 404, 503),
+    params=(
+        Param("Last-Event-ID", "header", {"type": "string"}, "resume after this event id (`k` or `attempt:k`)"),
+        Param("last_event_id", "query", {"type": "string"}, "the same, for clients that cannot set headers"),
+    ),
+)
 def stream_job(job_id: str):
     """A job's tokens as server-sent events.
 

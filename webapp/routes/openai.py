@@ -39,8 +39,12 @@ def models():
 
 
 @bp.post("/completions")
-@doc(body=openai.CompletionRequest, response=openai.CompletionResponse,
-     stream=SSE("with `stream`: OpenAI's completion chunks, then `[DONE]`"), errors=BLOCKING_ERRORS)
+@doc(
+    body=openai.CompletionRequest,
+    response=openai.CompletionResponse,
+    stream=SSE("with `stream`: OpenAI's completion chunks, then `[DONE]`"),
+    errors=BLOCKING_ERRORS,
+)
 def completions():
     """OpenAI's completions: every prompt its own job."""
     req = parse(openai.CompletionRequest)
@@ -48,9 +52,12 @@ def completions():
 
 
 @bp.post("/chat/completions")
-@doc(body=openai.ChatCompletionRequest, response=openai.ChatCompletionResponse,
-     stream=SSE("with `stream`: OpenAI's chat completion chunks (each choice opens with its role), then `[DONE]`"),
-     errors=BLOCKING_ERRORS)
+@doc(
+    body=openai.ChatCompletionRequest,
+    response=openai.ChatCompletionResponse,
+    stream=SSE("with `stream`: OpenAI's chat completion chunks (each choice opens with its role), then `[DONE]`"),
+    errors=BLOCKING_ERRORS,
+)
 def chat_completions():
     """OpenAI's chat completions: the model's chat template over the messages, every choice its own job."""
     req = parse(openai.ChatCompletionRequest)

@@ -55,8 +55,9 @@ def generate_vllm():
 
 
 @bp.post("/generate_stream")
-@doc(body=BasicGenerateRequest, stream=SSE('`{"token", "sequence_id"}` per token'), errors=SUBMIT_ERRORS,
-     tag="teaching")
+@doc(
+    body=BasicGenerateRequest, stream=SSE('`{"token", "sequence_id"}` per token'), errors=SUBMIT_ERRORS, tag="teaching"
+)
 def generate_stream():
     """One `data: {"token", "sequence_id"}` line per generated token."""
     req = parse(BasicGenerateRequest)

@@ -106,8 +106,13 @@ def probe(lm, pad: int) -> None:
         for token in follow:
             positions = kv.positions(rows)
             step = torch.full((rows, 1), token, dtype=torch.long, device=lm.device)
-            out = lm(input_ids=step, position_ids=positions, attention_mask=kv.step_mask(rows),
-                     past_key_values=kv.cache, use_cache=True)
+            out = lm(
+                input_ids=step,
+                position_ids=positions,
+                attention_mask=kv.step_mask(rows),
+                past_key_values=kv.cache,
+                use_cache=True,
+            )
             kv.advance()
             logits.append(out.logits[-1, -1].float())
         return torch.stack(logits)

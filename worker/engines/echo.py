@@ -9,8 +9,8 @@ find them where a model's engine puts them."""
 from __future__ import annotations
 
 import threading
-from itertools import accumulate
 from concurrent.futures import Future
+from itertools import accumulate
 
 from tasks.config import Settings
 from tasks.schemas import GenerationResult, JobSpec, Logprobs
@@ -48,9 +48,11 @@ class EchoEngine(Engine):
                 return None
             picked = tokens[i]
             return Logprobs(
-                tokens=picked, token_logprobs=[0.0] * len(picked),
-                top_logprobs=[{t: 0.0} for t in picked], text_offset=offsets[i],
-            )  # fmt: skip
+                tokens=picked,
+                token_logprobs=[0.0] * len(picked),
+                top_logprobs=[{t: 0.0} for t in picked],
+                text_offset=offsets[i],
+            )
 
         result = GenerationResult(
             text="".join(tokens),

@@ -134,8 +134,15 @@ class HFEngine(Engine):
                 f"the model's context of {self.max_model_len} tokens",
             )
         left, why = self.time_limit(spec)
-        seq = Seq(spec, ids, max_new, self.scheduler.clock() + left, why,
-                  stop_ids=frozenset(spec.params.stop_token_ids), background=spec.priority > 0)
+        seq = Seq(
+            spec,
+            ids,
+            max_new,
+            self.scheduler.clock() + left,
+            why,
+            stop_ids=frozenset(spec.params.stop_token_ids),
+            background=spec.priority > 0,
+        )
         if spec.params.logprobs is not None:
             seq.lp, seq.lp_unsent = Logprobs(), Logprobs() if spec.stream else None
         if not spec.params.greedy:
@@ -157,8 +164,9 @@ class HFEngine(Engine):
             ids = list(spec.prompt_token_ids)
             bad = [t for t in ids if t >= vocab]
             if bad:
-                raise GenerationError("invalid_request", f"prompt: token id {bad[0]} is out of the vocabulary "
-                                      f"(0 to {vocab - 1})")
+                raise GenerationError(
+                    "invalid_request", f"prompt: token id {bad[0]} is out of the vocabulary (0 to {vocab - 1})"
+                )
         else:
             add = p.add_special_tokens if p.add_special_tokens is not None else spec.chat is None
             ids = self.tok(spec.prompt, add_special_tokens=add).input_ids

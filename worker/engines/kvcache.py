@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicLayer
 class _SlotLayer(DynamicLayer):
     """One layer of `SlotKV` as transformers sees it."""
 
-    def __init__(self, kv: "SlotKV", index: int):
+    def __init__(self, kv: SlotKV, index: int):
         super().__init__()
         self.kv, self.index = kv, index
         self.is_initialized = True
@@ -45,8 +45,15 @@ class _SlotLayer(DynamicLayer):
 
 
 class SlotKV:
-    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, max_rows: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        max_rows: int,
+        device: torch.device | str = "cpu",
+    ):
         self.shape = (layers, heads, head_dim)
         self.device = torch.device(device)
         self.dtype, self.max_rows = dtype, max(1, max_rows)
@@ -58,7 +65,7 @@ class SlotKV:
         self.cache = Cache(layers=[_SlotLayer(self, i) for i in range(layers)])
 
     @classmethod
-    def for_model(cls, config, dtype: torch.dtype, max_rows: int, device: torch.device | str = "cpu") -> "SlotKV":
+    def for_model(cls, config, dtype: torch.dtype, max_rows: int, device: torch.device | str = "cpu") -> SlotKV:
         """Buffers shaped for `config`'s layers, key/value heads and head size."""
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

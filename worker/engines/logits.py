@@ -12,8 +12,9 @@ processing".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -95,7 +96,7 @@ class RowProcessors:
         vocab: int,
         outputs: Sequence[list[int]] | None = None,
         tokenizer: Any = None,
-    ) -> "RowProcessors | None":
+    ) -> RowProcessors | None:
         """Rows for newly admitted sequences; None if none of them needs any processing.
         `prompts`: the tokens each row's prefill fed (for a repetition penalty); `outputs`: the
         tokens each row generated already (a preempted row taken up again: its prompts include
@@ -172,7 +173,7 @@ class RowProcessors:
             ]
 
     @classmethod
-    def neutral(cls, rows: int) -> "RowProcessors":
+    def neutral(cls, rows: int) -> RowProcessors:
         return cls(
             rep=torch.ones(rows, 1),
             pres=torch.zeros(rows, 1),
@@ -183,8 +184,8 @@ class RowProcessors:
 
     @staticmethod
     def join(
-        old: "RowProcessors | None", new: "RowProcessors | None", n_old: int, n_new: int, vocab: int
-    ) -> "RowProcessors | None":
+        old: RowProcessors | None, new: RowProcessors | None, n_old: int, n_new: int, vocab: int
+    ) -> RowProcessors | None:
         """The rows of `old` (n_old of them) followed by those of `new` (n_new). A side without
         processors gets neutral rows (their counts do not matter: nothing reads them)."""
         if old is None and new is None:
@@ -221,7 +222,7 @@ class RowProcessors:
             grammars=old.grammars or new.grammars,
         )
 
-    def select(self, idx: torch.Tensor) -> "RowProcessors | None":
+    def select(self, idx: torch.Tensor) -> RowProcessors | None:
         """The rows in `idx`; None once none of them needs processing any more."""
 
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -234,13 +235,21 @@ class RowProcessors:
             return picked if picked and any(x is not None for x in picked) else None
 
         out = RowProcessors(
-            rep=pick(self.rep), pres=pick(self.pres), freq=pick(self.freq),
-            min_tokens=pick(self.min_tokens), produced=pick(self.produced),
-            seen=pick(self.seen), counts=pick(self.counts), stops=pick(self.stops),
-            bias=pick(self.bias), banned=pick(self.banned),
-            bad_seqs=rows(self.bad_seqs), history=rows(self.history), matchers=rows(self.matchers),
+            rep=pick(self.rep),
+            pres=pick(self.pres),
+            freq=pick(self.freq),
+            min_tokens=pick(self.min_tokens),
+            produced=pick(self.produced),
+            seen=pick(self.seen),
+            counts=pick(self.counts),
+            stops=pick(self.stops),
+            bias=pick(self.bias),
+            banned=pick(self.banned),
+            bad_seqs=rows(self.bad_seqs),
+            history=rows(self.history),
+            matchers=rows(self.matchers),
             grammars=self.grammars,
-        )  # fmt: skip
+        )
         if not out._repeats():
             out.seen = None
         if not out._penalizes():
@@ -253,26 +262,32 @@ class RowProcessors:
             out.banned = None
         if out.bad_seqs is None:
             out.history = None
-        if all(
-            t is None
-            for t in (out.seen, out.counts, out.stops, out.bias, out.banned, out.bad_seqs, out.matchers)
-        ):
+        if all(t is None for t in (out.seen, out.counts, out.stops, out.bias, out.banned, out.bad_seqs, out.matchers)):
             return None
         return out
 
-    def head(self, rows: int) -> "RowProcessors":
+    def head(self, rows: int) -> RowProcessors:
         """The first `rows` rows, as views: `update` on it counts into this one."""
 
         def pick(t):  # tensors as views; lists of the same (mutable) per-row objects
             return None if t is None else t[:rows]
 
         return RowProcessors(
-            rep=pick(self.rep), pres=pick(self.pres), freq=pick(self.freq),
-            min_tokens=pick(self.min_tokens), produced=pick(self.produced),
-            seen=pick(self.seen), counts=pick(self.counts), stops=pick(self.stops),
-            bias=pick(self.bias), banned=pick(self.banned), bad_seqs=pick(self.bad_seqs),
-            history=pick(self.history), matchers=pick(self.matchers), grammars=self.grammars,
-        )  # fmt: skip
+            rep=pick(self.rep),
+            pres=pick(self.pres),
+            freq=pick(self.freq),
+            min_tokens=pick(self.min_tokens),
+            produced=pick(self.produced),
+            seen=pick(self.seen),
+            counts=pick(self.counts),
+            stops=pick(self.stops),
+            bias=pick(self.bias),
+            banned=pick(self.banned),
+            bad_seqs=pick(self.bad_seqs),
+            history=pick(self.history),
+            matchers=pick(self.matchers),
+            grammars=self.grammars,
+        )
 
     def _repeats(self) -> bool:
         return self.seen is not None and bool((self.rep != 1.0).any())
@@ -360,9 +375,7 @@ def logprobs(
         values, ids = values.clamp(min=LOGPROB_FLOOR).tolist(), ids.tolist()
     else:
         values = ids = [[] for _ in rows]
-    return [
-        (c, list(zip(i[:n], v[:n]))) for c, i, v, n in zip(chosen, ids, values, top)
-    ]
+    return [(c, list(zip(i[:n], v[:n]))) for c, i, v, n in zip(chosen, ids, values, top)]
 
 
 def sample(

@@ -87,7 +87,9 @@ class OutputProcessor:
         decoded_token}} for the token there and the likeliest ones."""
         out: list = [None]
         for token, value, rank, top in seq.prompt_lp:
-            entry = {str(t): {"logprob": v, "rank": j + 1, "decoded_token": self._piece(t)} for j, (t, v) in enumerate(top)}
+            entry = {
+                str(t): {"logprob": v, "rank": j + 1, "decoded_token": self._piece(t)} for j, (t, v) in enumerate(top)
+            }
             entry[str(token)] = {"logprob": value, "rank": rank, "decoded_token": self._piece(token)}
             out.append(entry)
         return out
@@ -96,8 +98,11 @@ class OutputProcessor:
         p = seq.spec.params
         if p.skip_special_tokens and p.spaces_between_special_tokens:
             return self.tok.decode(tokens, skip_special_tokens=True)
-        return self.tok.decode(tokens, skip_special_tokens=p.skip_special_tokens,
-                               spaces_between_special_tokens=p.spaces_between_special_tokens)
+        return self.tok.decode(
+            tokens,
+            skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens,
+        )
 
     def _resolve(self, seq: Seq, reason: str, text: str | None = None) -> bool:
         if text is None:

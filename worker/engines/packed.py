@@ -40,8 +40,12 @@ def pack(model: torch.nn.Module, rows: int = PACK_ROWS) -> str:
     the model: packed on another, the layers used fewer cores (HFEngine._start)."""
     if not torch.backends.mkldnn.is_available():
         return "PyTorch's (this PyTorch has no oneDNN)"
-    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear]
+    found = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear
+    ]
     with torch.no_grad():
         for i, (parent, name, child) in enumerate(found):
             if i == 0:  # can oneDNN pack this dtype on this CPU, and does it compute the same?

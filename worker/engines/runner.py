@@ -45,15 +45,21 @@ class ModelRunner:
         ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
         # Rows that want prompt_logprobs (on their first prefill) need every position's logits.
         every = [r for r, s in enumerate(seqs) if s.spec.params.prompt_logprobs is not None and s.prompt_lp is None]
-        out = self.lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                      logits_to_keep=0 if every else 1)
+        out = self.lm(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=0 if every else 1
+        )
         if every:
             self._prompt_logprobs(seqs, every, out.logits, width)
         raw = out.logits[:, -1, :]
         vocab = raw.shape[-1]
         procs = RowProcessors.build(
-            [s.spec.params for s in seqs], fed, [min(s.spec.params.min_tokens, s.max_new) for s in seqs],
-            self.eos, vocab, outputs=[s.out for s in seqs], tokenizer=self.tok,
+            [s.spec.params for s in seqs],
+            fed,
+            [min(s.spec.params.min_tokens, s.max_new) for s in seqs],
+            self.eos,
+            vocab,
+            outputs=[s.out for s in seqs],
+            tokenizer=self.tok,
         )
         first = self._choose(seqs, raw, procs)
         lps = self._logprobs(seqs, raw, first)
@@ -139,8 +145,9 @@ class ModelRunner:
             top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
             seq.prompt_lp = [
                 (t, max(c, LOGPROB_FLOOR), rank, list(zip(i, [max(x, LOGPROB_FLOOR) for x in v])))
-                for t, c, rank, i, v in zip(seq.prompt_ids[1:], chosen.view(-1).tolist(), ranks.tolist(),
-                                            top_i.tolist(), top_v.tolist())
+                for t, c, rank, i, v in zip(
+                    seq.prompt_ids[1:], chosen.view(-1).tolist(), ranks.tolist(), top_i.tolist(), top_v.tolist()
+                )
             ]
 
     @staticmethod

@@ -21,7 +21,7 @@ from worker.engines.base import Engine, GenerationError, JobCancelled, Resolved,
 
 
 def step_ms(spec: str) -> tuple[float, float]:
-    """"a+b" (or "a") -> (a, b): a decode step at batch n takes a + b x n ms."""
+    """ "a+b" (or "a") -> (a, b): a decode step at batch n takes a + b x n ms."""
     a, _, b = spec.replace(" ", "").partition("+")
     return float(a), float(b or 0)
 

@@ -101,12 +101,15 @@ def string_lengths(schema: Any) -> Any:
         return [string_lengths(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: string_lengths(v) if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples")
-           else v for k, v in schema.items()}
+    out = {
+        k: string_lengths(v) if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples") else v
+        for k, v in schema.items()
+    }
     sized = "minLength" in out or "maxLength" in out
     if out.get("type") == "string" and sized and not {"pattern", "format", "enum", "const"} & out.keys():
         low, high = int(out.get("minLength", 0)), out.get("maxLength")
-        out["pattern"] = "^[^\"\\\\\\x00-\\x1f]{%d,%s}$" % (low, "" if high is None else int(high))
+        upper = "" if high is None else int(high)
+        out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{upper}}}$'
     return out
 
 

@@ -42,10 +42,9 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
         from transformers import AutoTokenizer
         from vllm import SamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._SamplingParams, self._DELTA, self._ClientError = SamplingParams, RequestOutputKind.DELTA, VLLMClientError
@@ -125,12 +124,16 @@ class VLLMEngine(Engine):
         if so is None:
             return None
         kind = (
-            {"json": so.json_schema} if so.json_schema is not None
-            else {"json_object": True} if so.json_object
-            else {"regex": so.regex} if so.regex is not None
-            else {"choice": so.choice} if so.choice is not None
+            {"json": so.json_schema}
+            if so.json_schema is not None
+            else {"json_object": True}
+            if so.json_object
+            else {"regex": so.regex}
+            if so.regex is not None
+            else {"choice": so.choice}
+            if so.choice is not None
             else {"grammar": so.grammar}
-        )  # fmt: skip
+        )
         return self._StructuredOutputsParams(**kind, disable_any_whitespace=so.disable_any_whitespace)
 
     def _prompt_logprobs(self, positions) -> list:
@@ -140,11 +143,16 @@ class VLLMEngine(Engine):
             if pos is None:
                 out.append(None)
                 continue
-            out.append({
-                str(t): {"logprob": max(v.logprob, -9999.0), "rank": v.rank,
-                         "decoded_token": v.decoded_token if v.decoded_token is not None else self.tok.decode([t])}
-                for t, v in pos.items()
-            })  # fmt: skip
+            out.append(
+                {
+                    str(t): {
+                        "logprob": max(v.logprob, -9999.0),
+                        "rank": v.rank,
+                        "decoded_token": v.decoded_token if v.decoded_token is not None else self.tok.decode([t]),
+                    }
+                    for t, v in pos.items()
+                }
+            )
         return out
 
     async def _generate(self, spec: JobSpec, prompt: dict, max_new: int, future: Future) -> None:
@@ -208,9 +216,14 @@ class VLLMEngine(Engine):
         except TimeoutError:
             await self.llm.abort(spec.id)
             partial = GenerationResult(
-                text="".join(text), finish_reason="timeout", prompt_tokens=prompt_tokens,
-                completion_tokens=tokens, batch_size=peak, model=self.model, logprobs=logprobs,
-            )  # fmt: skip
+                text="".join(text),
+                finish_reason="timeout",
+                prompt_tokens=prompt_tokens,
+                completion_tokens=tokens,
+                batch_size=peak,
+                model=self.model,
+                logprobs=logprobs,
+            )
             future.set_exception(GenerationError("timeout", why, partial))
             return
         except self._ClientError as exc:
@@ -239,7 +252,9 @@ class VLLMEngine(Engine):
             token_ids=token_ids if p.return_token_ids else None,
         )
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens}
-        final = [(spec.id, TokenEvent(index, last, finish=reason, usage=usage, logprobs=last_lp))] if spec.stream else []
+        final = (
+            [(spec.id, TokenEvent(index, last, finish=reason, usage=usage, logprobs=last_lp))] if spec.stream else []
+        )
         self.sink.emit(final, [(future, result)])
 
     def _logprobs(self, token_ids, positions, offset: int) -> tuple[Logprobs, int]:
@@ -262,4 +277,3 @@ class VLLMEngine(Engine):
             lp.text_offset.append(offset)
             offset += len(token)
         return lp, offset
-
