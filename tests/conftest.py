@@ -95,12 +95,14 @@ class Stack:
         return self.http.post(self.base + path, json=json, timeout=kw.pop("timeout", 120), **kw)
 
     def stop(self) -> None:
+        # The client's idle keep-alive connections first: gunicorn waits for them (up to its
+        # keepalive, 5 s) before its workers exit.
+        self.http.close()
         for proc in self.procs:  # the workers all at once: each takes seconds to shut down
             if proc.name.startswith("worker") and proc.alive():
                 proc.signal(signal.SIGTERM)
         for proc in reversed(self.procs):
             proc.stop()
-        self.http.close()
 
 
 class Stacks:
