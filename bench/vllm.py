@@ -132,6 +132,21 @@ def sanity(base: str, model: str, endpoint: str = "completions") -> str:
     return choice["message"]["content"] if endpoint == "chat" else choice["text"]
 
 
+def chat_token_bodies(base: str, model: str) -> list[bytes]:
+    """/v1/completions bodies whose prompts are the token ids each chat body renders to (asked
+    of the system's own /tokenize): the chat requests' model work without the chat path, so
+    that chat / these is what the chat path itself costs."""
+    bodies = []
+    for p in PROMPTS:
+        ask = {"model": model, "messages": [{"role": "user", "content": p}], "add_generation_prompt": True}
+        req = urllib.request.Request(base + "/tokenize", json.dumps(ask).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            tokens = json.loads(resp.read())["tokens"]
+        body = {"model": model, "prompt": tokens, "max_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        bodies.append(json.dumps(body).encode())
+    return bodies
+
+
 def load(model: str, endpoint: str = "completions") -> dict:
     """closed_loop's keyword arguments for one endpoint."""
     bodies = chat_bodies(model) if endpoint == "chat" else completion_bodies(model)
@@ -367,6 +382,20 @@ def run_system(kind: str, spec: str, procs: Processes, model_dir: Path, args, ou
                 log=log,
                 **load(running.model, "chat"),
             )[0]
+            base = f"http://127.0.0.1:{running.port}"
+            out["chat_tokens"] = measure_levels(
+                f"{SHORT[kind]} chat's tokens as completions",
+                running.port,
+                [args.chat_clients],
+                args,
+                running.groups,
+                running.pids,
+                warm=False,
+                log=log,
+                path=PATHS["completions"],
+                bodies=chat_token_bodies(base, running.model),
+                expect=b'"choices"',
+            )[0]
             if args.chat_clients not in args.levels:  # its completions figure, right after
                 out["levels"] += measure_levels(
                     SHORT[kind],
@@ -525,16 +554,34 @@ def render(res: dict) -> str:
 
     chats = {k: s["chat"] for k, s in systems.items() if s.get("chat")}
     if chats:
-        L += ["", f"## Chat vs completions at {a['chat_clients']} clients", ""]
+        L += [
+            "",
+            f"## Chat vs completions at {a['chat_clients']} clients",
+            "",
+            "*same tokens*: completions whose prompts are the token ids the chat requests render to "
+            "(the system's own `/tokenize` of the messages): the same model work without the chat path.",
+            "",
+        ]
         L.append(
             table(
-                ["system", "completions req/s", "chat req/s", "chat / completions", "chat p50 s", "errors"],
+                [
+                    "system",
+                    "completions req/s",
+                    "chat req/s",
+                    "chat / completions",
+                    "same tokens req/s",
+                    "chat / same tokens",
+                    "chat p50 s",
+                    "errors",
+                ],
                 [
                     [
                         SHORT[k],
                         _f(_levels(res, k)[r["clients"]]["rate"]),
                         _f(r["rate"]),
                         _f(_ratio(r["rate"], _levels(res, k)[r["clients"]]["rate"])),
+                        _f(same["rate"]) if (same := systems[k].get("chat_tokens")) else "-",
+                        _f(_ratio(r["rate"], same["rate"])) if same else "-",
                         _f(r["p50"], 3),
                         r["errors"],
                     ]
