@@ -37,7 +37,7 @@ def test_bench_vllm_hf_quick_run(tiny_model, redis_url, tmp_path):
     side = table_rows(doc, "## Side by side")
     assert [r[0] for r in side] == ["1", "2"] and all(float(r[1]) > 0 for r in side), side
     (chat,) = table_rows(doc, "## Chat vs completions at 2 clients")
-    assert chat[0] == "hf" and float(chat[2]) > 0 and chat[-1] == "0", chat
+    assert chat[0] == "hf" and float(chat[2]) > 0 and float(chat[4]) > 0 and chat[-1] == "0", chat  # [4]: same tokens
     assert "/work/" not in doc and "/tmp/" not in doc.replace(str(page), "")
 
 
