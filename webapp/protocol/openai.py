@@ -243,6 +243,28 @@ class VLLMFields(BaseModel):
         }
 
 
+class SharedFields(BaseModel):
+    """The fields completions and chat declare alike: OpenAI's penalties, vLLM's sampling
+    extensions, the priority, and OpenAI's fields that are accepted and not used."""
+
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    # vLLM's extensions.
+    top_k: int | None = Field(0, ge=-1, description="0 or -1 disables top-k")
+    ignore_eos: bool | None = False
+    repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    min_tokens: int | None = Field(0, ge=0, le=2**31 - 1)
+    stop_token_ids: list[int] | None = Field(None, max_length=STOP_TOKEN_IDS_MAX)
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True, description="lower is served first")
+    # Accepted and not used: they do not change what is generated.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -252,7 +274,7 @@ class StreamOptions(BaseModel):
 # -- /v1/completions ------------------------------------------------------------------------
 
 
-class CompletionRequest(VLLMFields):
+class CompletionRequest(SharedFields, VLLMFields):
     """Body of POST /v1/completions. A field sent as null takes its default. `prompt`: text,
     several texts, token ids (`[10, 20, 30]`) or several prompts of token ids."""
 
@@ -267,7 +289,6 @@ class CompletionRequest(VLLMFields):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     echo: bool | None = False
     n: int | None = Field(1, ge=1, le=N_MAX, description=f"completions per prompt, at most {N_MAX}")
     best_of: int | None = Field(
@@ -279,22 +300,8 @@ class CompletionRequest(VLLMFields):
         le=LOGPROBS_MAX,
         description="per token, the log-probabilities of the chosen and the n likeliest tokens",
     )
-    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    # vLLM's extensions.
-    top_k: int | None = Field(0, ge=-1, description="0 or -1 disables top-k")
-    ignore_eos: bool | None = False
-    repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
-    min_tokens: int | None = Field(0, ge=0, le=2**31 - 1)
-    stop_token_ids: list[int] | None = Field(None, max_length=STOP_TOKEN_IDS_MAX)
-    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True, description="lower is served first")
-    # Accepted and not used: they do not change what is generated.
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    request_id: str | None = None
+    # Accepted and not used: it does not change what is generated.
     session_id: str | None = None
-    cache_salt: str | None = None
     stream_interval: int | None = Field(None, ge=1)
     truncation_side: Literal["left", "right"] | None = None
     # Accepted at their neutral values only (NEUTRAL); anything else is refused.
@@ -619,7 +626,7 @@ class ChatTemplateFields(BaseModel):
         )
 
 
-class ChatCompletionRequest(ChatTemplateFields, VLLMFields):
+class ChatCompletionRequest(ChatTemplateFields, SharedFields, VLLMFields):
     """Body of POST /v1/chat/completions. A field sent as null takes its default. vLLM's
     sampling and output fields (`VLLMFields`, `response_format` among them) as completions'."""
 
@@ -640,22 +647,6 @@ class ChatCompletionRequest(ChatTemplateFields, VLLMFields):
     top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="with logprobs")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    user: str | None = None
-    # vLLM's extensions.
-    top_k: int | None = Field(0, ge=-1, description="0 or -1 disables top-k")
-    ignore_eos: bool | None = False
-    repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
-    min_tokens: int | None = Field(0, ge=0, le=2**31 - 1)
-    stop_token_ids: list[int] | None = Field(None, max_length=STOP_TOKEN_IDS_MAX)
-    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True, description="lower is served first")
-    # Accepted and not used: they do not change what is generated.
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-    store: bool | None = None
-    request_id: str | None = None
-    cache_salt: str | None = None
     # Accepted at their neutral values only (CHAT_NEUTRAL); anything else is refused.
     tools: Any = None
     tool_choice: Any = None
