@@ -75,27 +75,37 @@ def _start_workers(s, n: int) -> list[stackmod.Proc]:
     return workers
 
 
-def _busiest(s, ids: list[str], workers: list[stackmod.Proc]) -> stackmod.Proc:
-    """Once jobs run: the worker running most of them."""
-    found: dict[str, set[str]] = {}
-
-    def running() -> bool:
-        found.clear()
-        for job_id, rec in _records(s, ids).items():
+def _freeze_busiest(s, ids: list[str], workers: list[stackmod.Proc]) -> stackmod.Proc:
+    """Once jobs run: every worker frozen (SIGSTOP), and the one running most of the jobs. The
+    caller signals it and continues the others (`_thaw`). Frozen first, looked at after: on a
+    fast machine the tiny model ends a batch between an HTTP look and a signal."""
+    while True:
+        stackmod.wait_until(
+            lambda: any(r["status"] == "running" for r in _records(s, ids).values()), 60, "jobs to run", s.procs
+        )
+        for w in workers:
+            w.signal(signal.SIGSTOP)
+        found: dict[str, int] = {}
+        for rec in _records(s, ids).values():
             if rec["status"] == "running":
-                found.setdefault(rec["worker"], set()).add(job_id)
-        return bool(found)
+                found[rec["worker"]] = found.get(rec["worker"], 0) + 1
+        if found:
+            name = max(found, key=found.get)
+            (proc,) = [w for w in workers if f"-{w.pid}@" in name]
+            return proc
+        _thaw(workers)  # they ended their jobs between the look and the freeze: again
 
-    stackmod.wait_until(running, 60, "jobs to run", s.procs)
-    name = max(found, key=lambda n: len(found[n]))
-    (proc,) = [w for w in workers if f"-{w.pid}@" in name]
-    return proc
+
+def _thaw(workers: list[stackmod.Proc], but: stackmod.Proc | None = None) -> None:
+    for w in workers:
+        if w is not but:
+            w.signal(signal.SIGCONT)
 
 
 def _held(s, ids: list[str], victim: stackmod.Proc) -> set[str]:
     """The jobs `victim` was running when it was killed or stopped (read right after the signal:
     their records say so until recovery acts, a heartbeat TTL later). Not those it ran when
-    `_busiest` looked: a worker can finish them all between that look and the signal."""
+    a look before the signal: a running worker can finish them all in between."""
     mark = f"-{victim.pid}@"
     held = {j for j, rec in _records(s, ids).items() if rec["status"] == "running" and mark in rec["worker"]}
     assert held, "the worker held no job when the signal came"
@@ -131,10 +141,11 @@ def test_a_killed_workers_jobs_finish_elsewhere_within_a_minute(make_stack, refe
     workers = _start_workers(s, 2)
     prompts = _prompts(40)
     ids = _submit_batch(s, prompts)
-    victim = _busiest(s, ids, workers)
+    victim = _freeze_busiest(s, ids, workers)
     victim.signal(signal.SIGKILL)
     killed = time.monotonic()
     moved = _held(s, ids, victim)
+    _thaw(workers, but=victim)
     victim.popen.wait(10)
     (survivor,) = [w for w in workers if w is not victim]
 
@@ -248,10 +259,10 @@ def test_a_hung_worker_is_given_up_and_writes_nothing_when_it_wakes(make_stack, 
     workers = _start_workers(s, 2)
     # Sampled jobs too: their new attempt's tokens differ, so a late write would show.
     ids = _submit_batch(s, _prompts(40), sampled=8)
-    victim = _busiest(s, ids, workers)
-    victim.signal(signal.SIGSTOP)
+    victim = _freeze_busiest(s, ids, workers)  # it stays stopped
     stopped = time.monotonic()
     moved = _held(s, ids, victim)
+    _thaw(workers, but=victim)
     try:
         recs = _wait_final(s, ids, RECOVERY_LIMIT_S)
         assert time.monotonic() - stopped <= RECOVERY_LIMIT_S, "not all jobs finished within a minute"

@@ -39,7 +39,10 @@ class Frozen:
 @pytest.mark.timeout(300)
 def test_a_redis_stall_longer_than_the_ttl_loses_no_healthy_job(make_stack, tmp_path):
     db = KillableRedis(tmp_path)
-    s = make_stack(REDIS_URL=db.url, GENQ_MAX_BATCH_SIZE="4", **BEAT)
+    # The sim engine (a decode step sleeps 40 ms): jobs of 480 tokens last ~20 s on any machine,
+    # longer than both stalls. The tiny model ran them in ~1 s on a fast one: they ended before
+    # the first stall, and the 8 were never all running at once.
+    s = make_stack(REDIS_URL=db.url, GENQ_MAX_BATCH_SIZE="4", GENQ_ENGINE="sim", GENQ_SIM_STEP_MS="40", **BEAT)
     try:
         s.start_api()
         workers = [s.start_worker() for _ in range(2)]
@@ -134,7 +137,9 @@ def test_the_worker_survives_redis_restarts_and_stalls_under_load(make_stack, tm
     worker process serves throughout (its consumer reconnects instead of exiting), and every
     job succeeds, a new one after the faults too."""
     db = KillableRedis(tmp_path)
-    s = make_stack(REDIS_URL=db.url, GENQ_MAX_BATCH_SIZE="4", **BEAT)
+    # The sim engine (20 ms a step): 3 rounds of 240-token jobs take ~15 s on any machine, so the
+    # faults come while the worker runs them (the tiny model ended them all before the first).
+    s = make_stack(REDIS_URL=db.url, GENQ_MAX_BATCH_SIZE="4", GENQ_ENGINE="sim", GENQ_SIM_STEP_MS="20", **BEAT)
     try:
         s.start_api()
         worker = s.start_worker()
