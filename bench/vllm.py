@@ -1,16 +1,18 @@
-"""`python -m bench.vllm` (`make bench-vllm`): one checkpoint served three ways, one after the
-other (never two at once), each at its best dtype: genqueue with the hf engine (`hf`), genqueue
-with the vLLM engine (`vllm`), vLLM's own OpenAI server (`server`); closed-loop clients on
-`POST /v1/completions` (greedy, 32 tokens, ignore_eos); the ratios against vLLM's server marked
-PASS/FAIL against issue 11's goals (hf >= 1.0 x its req/s at 10 clients, >= 1.2 x at 32 and
-64; ours-vLLM >= 0.9 x its req/s and <= 1.1 x its p50 everywhere); writes docs/benchmarks-vllm.md.
+"""`python -m bench.vllm` (`make bench-vllm`): one checkpoint served three ways, each at its best
+dtype: genqueue with the hf engine (`hf`), genqueue with the vLLM engine (`vllm`), vLLM's own
+OpenAI server (`server`), one after the other, or with `--rounds N` all running at once and
+taking turns at each level, N times (the ratios then compare figures seconds apart: a shared
+machine's speed drifts over minutes); closed-loop clients on `POST /v1/completions` (greedy,
+32 tokens, ignore_eos); the ratios against vLLM's server marked PASS/FAIL against issue 11's
+goals (hf >= 1.0 x its req/s at 10 clients, >= 1.2 x at 32 and 64; ours-vLLM >= 0.9 x its req/s
+and <= 1.1 x its p50 everywhere); writes docs/benchmarks-vllm.md.
 
 `--dtypes measure` (default) probes float32 and bfloat16 per system and keeps the faster (the
 GENQ_DTYPE=auto rule's dtype probed last; a disturbed probe lets the rule decide); `auto`, a
 dtype, or `hf=...,vllm=...,server=...`. `--arch llama`: a Llama-shaped checkpoint of the same
-size. `--chat-clients N`: also `/v1/chat/completions` at N clients, beside `/v1/completions`.
-Logs and results.json: bench/out/vllm-<timestamp>/. Quick run: `python -m bench.vllm --model
-tiny --levels 1,2 --duration 2 --dtypes auto --no-write` (`--systems hf` alone is quicker).
+size. `--chat-clients N`: also `/v1/chat/completions` at N clients. Logs and results.json:
+bench/out/vllm-<timestamp>/. Quick run: `python -m bench.vllm --model tiny --levels 1,2
+--duration 2 --dtypes auto --no-write` (`--systems hf` alone is quicker).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import math
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -67,7 +70,8 @@ INTRO = """\
 # genqueue (hf engine, vLLM engine) vs vLLM's own server
 
 `make bench-vllm` (`python -m bench.vllm`, bench/vllm.py) serves one checkpoint three ways, one
-after the other, and rewrites everything below the marker line with the latest run.
+after the other (with `--rounds N`: all at once, taking turns at each level, N times), and
+rewrites everything below the marker line with the latest run.
 """
 ENGINE_CORE = "EngineCore"  # vLLM names its engine-core process VLLM::EngineCore_...
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -333,9 +337,9 @@ def choose_dtype(kind: str, spec: str, start, args, cpu: dict) -> tuple[Running 
     return running, max(ok, key=lambda d: ok[d]["rate"]), f"faster in the probe: {figures}", probes
 
 
-def run_system(kind: str, spec: str, procs: Processes, model_dir: Path, args, outdir: Path, cpu: dict) -> dict:
-    """Pick the system's dtype, measure it at every level (and chat, with --chat-clients); the
-    system is stopped before this returns."""
+def start_chosen(kind: str, spec: str, procs: Processes, model_dir: Path, args, outdir: Path, cpu: dict):
+    """Pick the system's dtype (probing if asked) and leave it running in that dtype: (the
+    running system, its result so far)."""
     starts: list[str] = []
 
     def start(dt: str) -> Running:
@@ -349,70 +353,125 @@ def run_system(kind: str, spec: str, procs: Processes, model_dir: Path, args, ou
             if running:
                 running.stop()
             running = start(best)
-        log(f"{TITLES[kind]} ({best}) at levels {args.levels}, {args.duration:g} s each")
-        rows = measure_levels(
-            SHORT[kind],
-            running.port,
-            args.levels,
-            args,
-            running.groups,
-            running.pids,
-            log=log,
-            after=running.after,
-            **load(running.model),
-        )
-        out = {
-            "kind": kind,
-            "dtype": best,
-            "dtype_why": why,
-            "probes": probes,
-            "starts": starts,
-            "levels": rows,
-            **running.info,
-        }
-        if args.chat_clients:
-            out["chat_text"] = sanity(f"http://127.0.0.1:{running.port}", running.model, "chat")
-            out["chat"] = measure_levels(
-                f"{SHORT[kind]} chat",
-                running.port,
-                [args.chat_clients],
-                args,
-                running.groups,
-                running.pids,
-                log=log,
-                **load(running.model, "chat"),
-            )[0]
-            base = f"http://127.0.0.1:{running.port}"
-            out["chat_tokens"] = measure_levels(
-                f"{SHORT[kind]} chat's tokens as completions",
-                running.port,
-                [args.chat_clients],
-                args,
-                running.groups,
-                running.pids,
-                warm=False,
-                log=log,
-                path=PATHS["completions"],
-                bodies=chat_token_bodies(base, running.model),
-                expect=b'"choices"',
-            )[0]
-            if args.chat_clients not in args.levels:  # its completions figure, right after
-                out["levels"] += measure_levels(
-                    SHORT[kind],
-                    running.port,
-                    [args.chat_clients],
-                    args,
-                    running.groups,
-                    running.pids,
-                    warm=False,
-                    log=log,
-                    after=running.after,
-                    **load(running.model),
-                )
-        return out
-    finally:
+    except BaseException:
         if running:
             running.stop()
+        raise
+    return running, {"kind": kind, "dtype": best, "dtype_why": why, "probes": probes, "starts": starts, **running.info}
+
+
+def measure_at(running: Running, levels: list[int], args, label: str | None = None, warm: bool = True) -> list[dict]:
+    """Completions at each of `levels` (warmed up first unless `warm` is false)."""
+    return measure_levels(
+        label or SHORT[running.kind],
+        running.port,
+        levels,
+        args,
+        running.groups,
+        running.pids,
+        warm=warm,
+        log=log,
+        after=running.after,
+        **load(running.model),
+    )
+
+
+def measure_chat(running: Running, out: dict, args) -> None:
+    """Chat at --chat-clients, the same tokens as completions, and (where that level is not
+    among --levels) plain completions there, into `out`."""
+    kind, base = running.kind, f"http://127.0.0.1:{running.port}"
+    out["chat_text"] = sanity(base, running.model, "chat")
+    common = dict(args=args, groups=running.groups, pids=running.pids, log=log)
+    out["chat"] = measure_levels(
+        f"{SHORT[kind]} chat", running.port, [args.chat_clients], **common, **load(running.model, "chat")
+    )[0]
+    out["chat_tokens"] = measure_levels(
+        f"{SHORT[kind]} chat's tokens as completions",
+        running.port,
+        [args.chat_clients],
+        **common,
+        warm=False,
+        path=PATHS["completions"],
+        bodies=chat_token_bodies(base, running.model),
+        expect=b'"choices"',
+    )[0]
+    if args.chat_clients not in [r["clients"] for r in out["levels"]]:  # its completions figure, right after
+        out["levels"] += measure_at(running, [args.chat_clients], args, warm=False)
+
+
+def run_system(kind: str, spec: str, procs: Processes, model_dir: Path, args, outdir: Path, cpu: dict) -> dict:
+    """Pick the system's dtype, measure it at every level (and chat, with --chat-clients); the
+    system is stopped before this returns."""
+    running, out = start_chosen(kind, spec, procs, model_dir, args, outdir, cpu)
+    try:
+        log(f"{TITLES[kind]} ({out['dtype']}) at levels {args.levels}, {args.duration:g} s each")
+        out["levels"] = measure_at(running, args.levels, args)
+        if args.chat_clients:
+            measure_chat(running, out, args)
+        return out
+    finally:
+        running.stop()
+
+
+def median_row(rows: list[dict]) -> dict:
+    """The row of the median req/s (the lower middle one of an even count)."""
+    return sorted(rows, key=lambda r: r["rate"])[(len(rows) - 1) // 2]
+
+
+def run_rounds(kinds: list[str], procs: Processes, model_dir: Path, args, outdir: Path, cpu: dict) -> dict:
+    """--rounds N: every system started (each at its dtype) and left running, then N rounds of
+    every level, the systems taking turns at each level, so that each ratio compares figures
+    measured seconds apart (a shared machine's speed drifts over minutes). Each system's
+    `levels` row is its median round; `rounds` holds them all."""
+    runs: dict[str, Running] = {}
+    outs: dict[str, dict] = {}
+    try:
+        for kind in kinds:
+            runs[kind], outs[kind] = start_chosen(kind, args.dtypes[kind], procs, model_dir, args, outdir, cpu)
+            outs[kind]["rounds"] = []
+        log(f"{', '.join(SHORT[k] for k in kinds)}: {args.rounds} rounds of levels {args.levels}, taking turns")
+        for rnd in range(args.rounds):
+            for kind in kinds:
+                outs[kind]["rounds"].append([])
+            for c in args.levels:
+                for kind in kinds:
+                    label = f"{SHORT[kind]} round {rnd + 1}"
+                    outs[kind]["rounds"][rnd] += measure_at(
+                        runs[kind], [c], args, label, warm=rnd == 0 and c == args.levels[0]
+                    )
+        for kind in kinds:
+            out = outs[kind]
+            out["levels"] = [median_row([r[i] for r in out["rounds"]]) for i in range(len(args.levels))]
+            if args.chat_clients:
+                measure_chat(runs[kind], out, args)
+        return outs
+    finally:
+        for running in runs.values():
+            running.stop()
+
+
+def round_ratios(res: dict, kind: str, clients: int) -> list[float]:
+    """`kind`'s req/s over vLLM's server's at `clients`, round by round (empty without rounds)."""
+    a, b = (res["systems"].get(k, {}).get("rounds") for k in (kind, "server"))
+    if not a or not b:
+        return []
+    out = []
+    for ra, rb in zip(a, b):
+        x = next((r["rate"] for r in ra if r["clients"] == clients), None)
+        y = next((r["rate"] for r in rb if r["clients"] == clients), None)
+        if x is not None and y:
+            out.append(x / y)
+    return out
+
+
+def level_ratio(res: dict, kind: str, clients: int) -> float:
+    """`kind`'s req/s over vLLM's server's at `clients`: the median of the rounds' ratios where
+    the systems took turns, else the one ratio."""
+    per_round = round_ratios(res, kind, clients)
+    if per_round:
+        return statistics.median(per_round)
+    a, b = _levels(res, kind).get(clients), _levels(res, "server").get(clients)
+    return _ratio(a["rate"], b["rate"]) if a and b else math.nan
 
 
 # -- the page ---------------------------------------------------------------------------------
@@ -433,16 +492,20 @@ def verdicts(res: dict) -> list[tuple[str, str]]:
     out = []
     for c in sorted(set(hf) & set(srv)):
         if (goal := HF_GOALS.get(c)) is not None:
-            tr = _ratio(hf[c]["rate"], srv[c]["rate"])
+            tr, per_round = level_ratio(res, "hf", c), round_ratios(res, "hf", c)
+            how = (
+                f"median of {len(per_round)} rounds' ratios ({', '.join(f'{x:.2f}' for x in per_round)})"
+                if per_round
+                else f"{hf[c]['rate']:.2f} / {srv[c]['rate']:.2f}"
+            )
             out.append(
                 (
                     "PASS" if tr >= goal else "FAIL",
-                    f"hf engine, req/s at {c} clients: {hf[c]['rate']:.2f} / "
-                    f"{srv[c]['rate']:.2f} = {tr:.2f} x (goal >= {goal} x)",
+                    f"hf engine, req/s at {c} clients: {how} = {tr:.2f} x (goal >= {goal} x)",
                 )
             )
     for c in sorted(set(ours) & set(srv)):
-        tr, lr = _ratio(ours[c]["rate"], srv[c]["rate"]), _ratio(ours[c]["p50"], srv[c]["p50"])
+        tr, lr = level_ratio(res, "vllm", c), _ratio(ours[c]["p50"], srv[c]["p50"])
         out.append(
             (
                 "PASS" if tr >= TARGET_THROUGHPUT_RATIO else "FAIL",
@@ -500,13 +563,32 @@ def render(res: dict) -> str:
     for c in levels:
         lv = {k: _levels(res, k).get(c, {}) for k in systems}
         row = [c, *(_f(lv[k].get("rate")) for k in systems), *(_f(lv[k].get("p50"), 3) for k in systems)]
-        row += [
-            _f(_ratio(lv[k]["rate"], srv[c]["rate"]) if lv[k] and c in srv else None)
-            for k in systems
-            if k != "server" and srv
-        ]
+        row += [_f(level_ratio(res, k, c) if lv[k] and c in srv else None) for k in systems if k != "server" and srv]
         rows.append(row)
     L.append(table(hdr, rows))
+
+    counted = {k: s["rounds"] for k, s in systems.items() if s.get("rounds")}
+    if counted:
+        n = max(map(len, counted.values()))
+        L += [
+            "",
+            "With the systems taking turns (`--rounds`), *req/s* above is each system's median round and the "
+            "ratio the median of the rounds' ratios.",
+            "",
+            f"## Rounds ({n}, the systems taking turns at each level)",
+            "",
+        ]
+        others = [k for k in counted if k != "server" and "server" in counted]
+        rows = []
+        for c in levels:
+            for i in range(n):
+                rates = {k: next((r["rate"] for r in rs[i] if r["clients"] == c), None) for k, rs in counted.items()}
+                rows.append(
+                    [c, i + 1, *(_f(rates[k]) for k in counted)]
+                    + [_f(_ratio(rates[k], rates["server"]) if rates[k] and rates["server"] else None) for k in others]
+                )
+        hdr = ["clients", "round", *(f"{SHORT[k]} req/s" for k in counted), *(f"{SHORT[k]} / vLLM" for k in others)]
+        L.append(table(hdr, rows))
 
     L += ["", "## Per system", ""]
     rows = []
@@ -629,6 +711,13 @@ def parse_args(argv):
         default="measure",
         help="measure (default), auto, float32, bfloat16, or per system hf=...,vllm=...,server=...",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="start every system at once and measure N rounds of the levels, the systems taking "
+        "turns at each level (default 0: one system after the other)",
+    )
     ap.add_argument("--probe-clients", type=int, default=None, help="clients of the dtype probe (default 32)")
     ap.add_argument("--probe-duration", type=float, default=None, help="seconds of the dtype probe (default 8)")
     ap.add_argument("--torch-threads", type=int, default=None, help="GENQ_TORCH_THREADS for the hf worker")
@@ -644,6 +733,8 @@ def parse_args(argv):
     if not args.systems or any(s not in SYSTEMS for s in args.systems) or len(set(args.systems)) != len(args.systems):
         ap.error(f"--systems takes distinct names among {', '.join(SYSTEMS)}")
     args.dtypes = parse_dtypes(ap, args.dtypes)
+    if args.rounds < 0:
+        ap.error("--rounds takes 0 or more")
     args.probe_clients = args.probe_clients or min(32, max(args.levels))
     args.probe_duration = args.probe_duration or min(8.0, args.duration)
     return args
@@ -658,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
         res["hf_env"] = env_versions("hf") if "hf" in args.systems else "not used"
         res["vllm_env"] = env_versions("vllm") if {"vllm", "server"} & set(args.systems) else "not used"
         res["systems"] = {}
+        if args.rounds:
+            res["systems"] = run_rounds(args.systems, procs, Path(res["model_dir_abs"]), args, outdir, res["cpu"])
+            return
         for kind in args.systems:
             res["systems"][kind] = run_system(
                 kind, args.dtypes[kind], procs, Path(res["model_dir_abs"]), args, outdir, res["cpu"]

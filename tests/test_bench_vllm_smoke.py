@@ -92,3 +92,23 @@ def test_page_goals_and_ratios():
     assert "- Overall: **FAIL** (4 of 6 met)" in page
     rows = table_rows(page, "## Side by side")
     assert rows[0][-2:] == ["1.20", "0.80"] and rows[1][-2:] == ["1.25", "1.00"], rows
+
+
+def test_rounds_ratio_is_the_median_of_the_rounds_ratios():
+    """--rounds: each goal is decided on the median of the rounds' ratios (each round's figures
+    measured seconds apart), not on the ratio of the systems' median rounds."""
+    res = {
+        "systems": {
+            "hf": {"rounds": [[level(32, 4.0, 1.0)], [level(32, 9.0, 1.0)], [level(32, 6.0, 1.0)]]},
+            "server": {"rounds": [[level(32, 2.0, 1.0)], [level(32, 10.0, 1.0)], [level(32, 5.0, 1.0)]]},
+        }
+    }
+    for s in res["systems"].values():
+        s["levels"] = [vllm.median_row([r[0] for r in s["rounds"]])]
+    assert [r["rate"] for r in (res["systems"]["hf"]["levels"][0], res["systems"]["server"]["levels"][0])] == [6.0, 5.0]
+    assert vllm.round_ratios(res, "hf", 32) == [2.0, 0.9, 1.2]
+    assert vllm.level_ratio(res, "hf", 32) == 1.2  # the medians' ratio would be 6 / 5 as well; the rounds decide
+    ((verdict, what),) = vllm.verdicts(res)
+    assert verdict == "PASS" and "median of 3 rounds' ratios (2.00, 0.90, 1.20) = 1.20 x" in what, what
+    res["systems"]["hf"]["rounds"][2][0]["rate"] = 5.5  # rounds' ratios 2.0, 0.9, 1.1: the median fails
+    assert vllm.verdicts(res)[0][0] == "FAIL"
