@@ -142,6 +142,7 @@ class WorkerSettings(_Env):
     reconcile_interval: float = Field(
         10.0, gt=0, description="seconds between a worker's checks for jobs whose messages were lost"
     )
+    workers: int = Field(1, ge=1, le=64, description="make run: worker processes per engine (scripts/stack.py)")
 
 
 class ObservabilitySettings(_Env):

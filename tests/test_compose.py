@@ -299,7 +299,7 @@ def test_api_keys_from_a_file_mounted_as_a_secret(compose, services):
 FIXED = {"REDIS_URL", "GENQ_HOST", "GENQ_PORT", "GENQ_METRICS_PORT", "GENQ_METRICS_HOST"}
 # make run's alone.
 # make run only: compose has its own Flower service (the `flower` profile).
-NOT_IN_CONTAINERS = {"GENQ_DATA_DIR", "GENQ_FLOWER"}
+NOT_IN_CONTAINERS = {"GENQ_DATA_DIR", "GENQ_FLOWER", "GENQ_WORKERS"}  # compose: --scale worker=N
 
 
 def test_every_setting_reaches_the_containers_from_env_or_dotenv(services):

@@ -72,9 +72,10 @@ def test_the_api_never_imports_model_libraries(redis_url):
 
 
 def test_make_run_launcher_serves_and_stops_everything_on_sigterm(tiny_model, tmp_path):
+    """With GENQ_WORKERS=2: two worker processes serve the model, and all go at SIGTERM."""
     port = stackmod.free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_") and k != "REDIS_URL"}
-    env.update(GENQ_PORT=str(port), GENQ_API_WORKERS="1", GENQ_DATA_DIR=str(tmp_path / "data"))
+    env.update(GENQ_PORT=str(port), GENQ_API_WORKERS="1", GENQ_DATA_DIR=str(tmp_path / "data"), GENQ_WORKERS="2")
     log = tmp_path / "run.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -87,12 +88,21 @@ def test_make_run_launcher_serves_and_stops_everything_on_sigterm(tiny_model, tm
         )
     try:
         base = f"http://127.0.0.1:{port}"
-        stackmod.wait_until(lambda: stackmod.http_get(base + "/readyz")[0] == 200, 60, "make run's stack")
+        stackmod.wait_until(
+            lambda: (
+                stackmod.http_get(base + "/readyz")[0] == 200
+                and len(requests.get(base + "/readyz", timeout=5).json()["workers"]) == 2
+            ),
+            60,
+            "make run's stack with its two workers",
+        )
         resp = requests.post(base + "/basic_generate", json={"prompt": "Hello"}, timeout=60)
         assert resp.status_code == 200 and resp.json()["generated_text"].startswith("Hello")
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and "worker" in names and "gunicorn" in names
+        workers = [c for c in children if c.cmdline()[1:3] == ["-m", "worker"]]
+        assert len(workers) == 2, names
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
