@@ -198,10 +198,12 @@ def start_ours(kind: str, dtype: str, procs: Processes, model_dir: Path, args, o
         if db.proc:
             procs.stop(db.proc)
 
+    n = args.hf_workers if kind == "hf" else 1
     t0 = time.monotonic()
     try:
-        worker = st.start_worker()
-        st.start_api(args.api_workers, what=f"a ready {kind} worker")
+        workers = [st.start_worker() for _ in range(n)]
+        worker = workers[0]
+        st.start_api(args.api_workers, ready_workers=n, what=f"{n} ready {kind} worker(s)")
         startup = time.monotonic() - t0
         logged = logged_dtype(kind, outdir / f"{label}-worker.log")
         if logged and logged != dtype:
@@ -220,7 +222,9 @@ def start_ours(kind: str, dtype: str, procs: Processes, model_dir: Path, args, o
         "redis": lambda: tree(db.pid),
     }
     if kind == "hf":
-        groups = {k: groups[k] for k in ("api", "redis")} | {"worker": lambda: tree(worker.pid)}
+        groups = {k: groups[k] for k in ("api", "redis")} | {
+            "worker": lambda: [p for w in workers for p in tree(w.pid)]
+        }
     info = {"startup_s": startup, "text": text, "redis_kind": db.kind, "redis_version": db.version, "env": env}
     return Running(
         kind,
@@ -228,7 +232,7 @@ def start_ours(kind: str, dtype: str, procs: Processes, model_dir: Path, args, o
         st.port,
         st.name,
         groups,
-        [st.api.pid, worker.pid, db.pid],
+        [st.api.pid, *(w.pid for w in workers), db.pid],
         stop,
         info,
         after=lambda res: {"jobs": job_stats(r, st.name, res["window_start"], res["window_end"])},
@@ -541,6 +545,8 @@ def render(res: dict) -> str:
         else:
             env = " ".join(f"{e}={v}" for e, v in s["env"].items() if e != "HF_HUB_OFFLINE")
             how = f"`GENQ_ENGINE={k} GENQ_MAX_BATCH_SIZE={MAX_NUM_SEQS} {env}`, GENQ_API_WORKERS={a['api_workers']}"
+            if k == "hf" and a.get("hf_workers", 1) > 1:
+                how += f", {a['hf_workers']} hf workers"
         L.append(f"- {TITLES[k]}: {how}; **{s['dtype']}** ({s['dtype_why']}); ready after {s['startup_s']:.0f} s")
     same = len({s["text"] for s in systems.values()}) == 1
     L.append(f"- Greedy text of the first prompt: {'the same on every system' if same else 'differs between systems'}")
@@ -720,6 +726,7 @@ def parse_args(argv):
     )
     ap.add_argument("--probe-clients", type=int, default=None, help="clients of the dtype probe (default 32)")
     ap.add_argument("--probe-duration", type=float, default=None, help="seconds of the dtype probe (default 8)")
+    ap.add_argument("--hf-workers", type=int, default=1, help="hf workers of the hf system (default 1)")
     ap.add_argument("--torch-threads", type=int, default=None, help="GENQ_TORCH_THREADS for the hf worker")
     ap.add_argument(
         "--chat-clients",
