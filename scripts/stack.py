@@ -574,9 +574,9 @@ def main() -> int:
         model = cfg.get("GENQ_MODEL_NAME") or cfg["GENQ_MODEL"]
         for engine, name in engine_names(model, engines).items():
             worker_env = {**env, "GENQ_ENGINE": engine, "GENQ_MODEL_NAME": name}
-            for i in range(settings.workers):
-                workers.append(Restarting(f"{engine} worker{i + 1 if i else ''}", worker_argv(engine), worker_env))
             n = settings.workers
+            for i in range(n):
+                workers.append(Restarting(f"{engine} worker{i + 1 if i else ''}", worker_argv(engine), worker_env))
             say(f"{engine} worker serves {name!r}" if n == 1 else f"{n} {engine} workers serve {name!r}")
         api = Proc("api", api_argv(), {**env, "GENQ_MODEL_NAME": model})
         if settings.flower:
