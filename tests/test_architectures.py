@@ -25,6 +25,7 @@ from tests.helpers import ENGINE_PROMPTS
 from worker import devmodels
 from worker.engines import arch
 from worker.engines.hf import HFEngine
+from worker.engines.kvcache import ATTENTION
 
 ARCHS = [a for a in sorted(devmodels.ARCHS) if a != "opt"]  # OPT: every other engine test
 PROMPTS = ENGINE_PROMPTS + ["y", "def f(x):\n    return x * 2\n" * 3]
@@ -155,9 +156,11 @@ def test_prepare_caps_or_refuses_what_would_be_inexact():
         arch.prepare(_config("t5"))
 
 
-def test_probe_refuses_a_model_that_ignores_position_ids(checkpoints):
-    lm = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.float32).eval()
-    arch.probe(lm, pad=1)  # the real model passes
+def test_probe_refuses_a_model_the_engine_cannot_run_exactly(checkpoints):
+    lm = AutoModelForCausalLM.from_pretrained(
+        checkpoints["llama"], dtype=torch.float32, attn_implementation=ATTENTION
+    ).eval()
+    arch.probe(lm)  # the real model passes
     forward = lm.forward
 
     def no_positions(*args, position_ids=None, **kw):
@@ -165,7 +168,12 @@ def test_probe_refuses_a_model_that_ignores_position_ids(checkpoints):
 
     lm.forward = no_positions
     with pytest.raises(arch.UnsupportedModel, match="LlamaForCausalLM.*joined to a running batch"):
-        arch.probe(lm, pad=1)
+        arch.probe(lm)
+    lm.forward = forward
+    # Attention that is not the engine's (which reads the step's layout of the cache) fails.
+    lm.set_attn_implementation("sdpa")
+    with pytest.raises(arch.UnsupportedModel, match="LlamaForCausalLM.*fails in the hf engine's batched forward"):
+        arch.probe(lm)
 
 
 def test_every_architecture_through_the_queue(make_stack, checkpoints):

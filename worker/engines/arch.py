@@ -78,11 +78,12 @@ def prepare(config) -> tuple[int | None, list[str]]:
     return limit, notes
 
 
-def probe(lm, pad: int) -> None:
-    """A row prefilled alone, then joined to a longer row's batch as the engine joins rows
-    (worker/engines/kvcache.py: left-padded columns, positions passed), and decoded two tokens:
-    the same logits as the row alone, or the model is refused. Random token ids, in the model's
-    dtype, on its device."""
+def probe(lm) -> None:
+    """A row joined to a running batch as the engine joins rows (worker/engines/kvcache.py: its
+    prompt fed in the same forward as the running row's next token, its keys/values in columns
+    other than its positions), then decoded two tokens beside it: the same logits as the model's
+    own attention gives the row alone, without a cache, or the model is refused. Random
+    token ids, in the model's dtype, on its device; `lm` runs the engine's attention."""
     from worker.engines.kvcache import SlotKV
 
     name = _name(lm.config)
@@ -90,40 +91,53 @@ def probe(lm, pad: int) -> None:
         raise UnsupportedModel(f"{name} takes no position_ids; the hf engine cannot batch it exactly")
     gen = torch.Generator().manual_seed(0)
     vocab = lm.config.vocab_size
-    long, short = (torch.randint(4, vocab, (1, n), generator=gen).to(lm.device) for n in (11, 5))
+    long, short = (torch.randint(4, vocab, (n,), generator=gen).tolist() for n in (11, 5))
     follow = torch.randint(4, vocab, (2,), generator=gen).tolist()
     tol = 1e-3 if lm.dtype == torch.float32 else 5e-2
+    device = lm.device
 
-    def run(prompts: list[torch.Tensor]) -> torch.Tensor:
-        """The last row's logits after its prefill and each followed token."""
-        kv = SlotKV.for_model(lm.config, lm.dtype, len(prompts), lm.device)
-        for ids in prompts:  # one prefill each, as jobs that arrive at different times
-            mask = torch.ones_like(ids)
-            out = lm(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1) - 1, use_cache=True)
-            kv.append(out.past_key_values, mask)
-        logits = [out.logits[0, -1].float()]
-        rows = len(prompts)
-        for token in follow:
-            positions = kv.positions(rows)
-            step = torch.full((rows, 1), token, dtype=torch.long, device=lm.device)
-            out = lm(
-                input_ids=step,
-                position_ids=positions,
-                attention_mask=kv.step_mask(rows),
-                past_key_values=kv.cache,
-                use_cache=True,
-            )
-            kv.advance()
-            logits.append(out.logits[-1, -1].float())
-        return torch.stack(logits)
+    def step(kv: SlotKV, tokens: list[int], active: int, joining: list[int]) -> torch.Tensor:
+        positions = kv.begin(active, [len(joining)] if joining else [])
+        ids = torch.tensor(tokens + joining, device=device).view(1, -1)
+        out = lm(input_ids=ids, position_ids=positions, past_key_values=kv.cache, use_cache=True)
+        kv.finish()
+        return out.logits[0].float()
 
     with torch.inference_mode():
-        alone, joined = run([short]), run([long, short])
-    diff = float((alone - joined).abs().max())
-    scale = max(1.0, float(alone.abs().max()))
+        try:
+            kv = SlotKV.for_model(lm.config, lm.dtype, 2, device)
+            step(kv, [], 0, long)  # the running row: prefilled alone
+            step(kv, [follow[0]], 1, [])  # it decodes a step on its own
+            got = [step(kv, [follow[1]], 1, short)[-1]]  # the short row joins beside its next step
+            for token in follow:
+                got.append(step(kv, [follow[0], token], 2, [])[-1])
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the engine cannot run this model
+            raise UnsupportedModel(
+                f"{name} fails in the hf engine's batched forward ({type(exc).__name__}: {exc}); "
+                "the hf engine cannot batch it exactly"
+            ) from exc
+        want = _alone(lm, [short + follow[:i] for i in range(len(follow) + 1)])
+    diff = float((torch.stack(got) - want).abs().max())
+    scale = max(1.0, float(want.abs().max()))
     if not diff <= tol * scale:
         raise UnsupportedModel(
             f"{name} gives other logits for a row joined to a running batch than for the same "
             f"row alone (max difference {diff:.3g}): the hf engine would return wrong text for it "
             "once jobs overlap"
         )
+
+
+def _alone(lm, prompts: list[list[int]]) -> torch.Tensor:
+    """Each prompt's last logits from the model's own attention (SDPA, which `generate` uses,
+    or eager where the model has no SDPA path), no cache. Not eager alone: in bfloat16 eager
+    attention's float32 softmax differs from SDPA's by more than the tolerance."""
+    attention = lm.config._attn_implementation
+    try:
+        lm.set_attn_implementation("sdpa")
+    except (ValueError, ImportError):
+        lm.set_attn_implementation("eager")
+    try:
+        rows = [lm(input_ids=torch.tensor([p], device=lm.device), use_cache=False).logits[0, -1] for p in prompts]
+    finally:
+        lm.set_attn_implementation(attention)
+    return torch.stack(rows).float()

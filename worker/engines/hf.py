@@ -1,12 +1,14 @@
 """The Hugging Face transformers engine, with continuous batching.
 
-One scheduler thread owns the model. Between two decode steps it admits every job that has
-arrived (one left-padded prefill, copied into free rows of the preallocated KV cache,
-worker/engines/kvcache.py) and drops every job that has ended, so a job never waits for a whole
-batch to end before it starts. Each decode step feeds every running job's last token with the
-row's own `position_ids`, which makes padding invisible to the model (worker/engines/arch.py
-checks at load that the architecture honours them). Greedy decoding gives the same tokens as
-`model.generate(do_sample=False)` in float32, which the tests check through the whole queue.
+One scheduler thread owns the model. Each step drops every job that has ended and runs one
+forward that feeds every running job's last token and the prompts of every job that has
+arrived, which join the batch (their keys/values go into free rows of the preallocated KV
+cache, worker/engines/kvcache.py): a job never waits for a whole batch to end before it starts,
+nor costs the batch a forward of its own. Every token goes in with its row's own
+`position_ids`, and the engine's attention reads the cache's layout (worker/engines/arch.py
+checks at load that a joined row gets the logits it gets alone). Greedy decoding gives the same
+tokens as `model.generate(do_sample=False)` in float32, which the tests check through the whole
+queue.
 How the pieces fit: docs/design.md, "The hf engine".
 """
 
@@ -27,7 +29,7 @@ from worker import metrics
 from worker.engines import arch, packed
 from worker.engines.base import Engine, GenerationError, Sink
 from worker.engines.dtype import resolve as resolve_dtype
-from worker.engines.kvcache import SlotKV
+from worker.engines.kvcache import ATTENTION, SlotKV
 from worker.engines.logits import check
 from worker.engines.output import OutputProcessor
 from worker.engines.runner import ModelRunner
@@ -84,22 +86,16 @@ class HFEngine(Engine):
         self.max_model_len, notes = arch.prepare(cfg)  # raises for a model it cannot batch exactly
         for note in notes:
             log.info("%s: %s", cfg.model_type, note)
-        self.lm = AutoModelForCausalLM.from_pretrained(settings.model, config=cfg, dtype=getattr(torch, dtype))
-        self.lm = self.lm.to(device).eval()
         self.eos = self.tok.eos_token_id if self.tok.eos_token_id is not None else cfg.eos_token_id
-        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos
-        arch.probe(self.lm, pad)
-
         self.scheduler = Scheduler(self.capacity, settings.background_step_every)
-        kv = SlotKV.for_model(cfg, self.lm.dtype, self.capacity, device)
-        self.runner = ModelRunner(self.lm, kv, device, pad, self.eos, tok=self.tok)
         self.output = OutputProcessor(self.tok, self.eos, self.model, self.max_model_len)
         self._closed = threading.Event()
-        # The linears are packed on the thread that will run them (`_start`); the engine is
+        # The model is loaded, checked and run on the engine's thread (`_start`); the engine is
         # ready, or its constructor raises, once that is done.
         self._started: Future[None] = Future()
         pack = settings.packed_linears and device.type == "cpu"  # oneDNN: a CPU path
-        self._thread = threading.Thread(target=self._run, args=(pack,), name="genq-scheduler", daemon=True)
+        load = (settings.model, cfg, getattr(torch, dtype), device, pack)
+        self._thread = threading.Thread(target=self._run, args=load, name="genq-scheduler", daemon=True)
         self._thread.start()
         self._started.result()
 
@@ -189,12 +185,21 @@ class HFEngine(Engine):
 
     # -- the engine's thread ---------------------------------------------------------------
 
-    def _start(self, pack: bool) -> bool:
-        """Pack the linear layers here, on the thread that runs every forward: oneDNN
-        linears packed on another thread (the constructor's) ran a decode step on fewer cores
-        and slower (docs/benchmarks.md, "Packed on the thread that runs them"); PyTorch's own
-        linears did not care which thread loaded them."""
+    def _start(self, model: str, cfg, dtype: torch.dtype, device: torch.device, pack: bool) -> bool:
+        """Load the model, check it (worker/engines/arch.py) and pack its linear layers here,
+        on the thread that runs every forward, so that no other thread of the process ever
+        runs a parallel CPU op. Each thread that does gets its own OpenMP team: GNU OpenMP,
+        counting more threads than cores, then stops spinning between ops, and each of a
+        step's hundreds of small ops waits for its team to wake (a decode step of 64 rows took
+        72 ms instead of 42 with the check run on the constructor's thread: docs/benchmarks.md,
+        "One thread runs the model"). oneDNN's packed linears are also faster where they were
+        packed ("Packed on the thread that runs them")."""
         try:
+            lm = AutoModelForCausalLM.from_pretrained(model, config=cfg, dtype=dtype, attn_implementation=ATTENTION)
+            self.lm = lm.to(device).eval()
+            arch.probe(self.lm)  # raises for a model it cannot batch exactly
+            kv = SlotKV.for_model(cfg, self.lm.dtype, self.capacity, device)
+            self.runner = ModelRunner(self.lm, kv, device, self.eos, tok=self.tok)
             if pack:
                 log.info("linear layers: %s", packed.pack(self.lm))
         except BaseException as exc:  # the constructor raises it; this thread ends
@@ -203,8 +208,8 @@ class HFEngine(Engine):
         self._started.set_result(None)
         return True
 
-    def _run(self, pack: bool = False) -> None:
-        if not self._start(pack):
+    def _run(self, model: str, cfg, dtype: torch.dtype, device: torch.device, pack: bool) -> None:
+        if not self._start(model, cfg, dtype, device, pack):
             return
         with torch.inference_mode():
             while not self._closed.is_set():
@@ -224,8 +229,8 @@ class HFEngine(Engine):
 
     def step(self, preempt: list[int], admit: list[Seq]) -> StepStats:
         """schedule -> execute -> update: take out the preempted rows and the jobs that leave,
-        prefill and join the admitted ones (their first tokens go out at once, not a step
-        later), then one decode step."""
+        then one forward that decodes the running rows and prefills the admitted jobs, which
+        join the batch (their first tokens go out at once)."""
         stats = StepStats(preempted=len(preempt))
         if preempt:
             self._keep([i for i in range(len(self.scheduler.rows)) if i not in set(preempt)])
@@ -234,30 +239,35 @@ class HFEngine(Engine):
             self.output.fail(seq, why)
         if keep is not None:
             self._keep(keep)
-        if admit:
-            running = len(self.scheduler.rows)
-            tokens, lps = self.runner.prefill(admit, running)
+        running = len(self.scheduler.rows)
+        if admit or running:
+            active = self.scheduler.decode_rows() if running else 0
+            decoded, joined = self.runner.step(self.scheduler.rows[:active], admit)
             self.scheduler.joined(admit)
-            self._update(tokens, lps, offset=running)
+            for seq in admit:
+                seq.batch_peak = max(seq.batch_peak, active + len(admit))
+            self._update(decoded, joined, running)
             self._partition()
-            self._flush()
-        if self.scheduler.rows:
-            rows = self.scheduler.decode_rows()
-            tokens, lps = self.runner.decode(self.scheduler.rows[:rows], rows)
-            self._update(tokens, lps)
-            stats.decoded = rows
+            stats.decoded = active
         self._flush()
         return stats
 
-    def _update(self, tokens: list[int], lps: dict, offset: int = 0) -> None:
-        """One new token for each row from `offset` on, as many as `tokens` (the rows after
-        them sat the step out); the rows whose jobs finished leave."""
+    def _update(self, decoded: tuple[list[int], dict], joined: tuple[list[int], dict], running: int) -> None:
+        """One new token for each of the first rows (as many as `decoded` has; the rows after
+        them sat the step out) and for each row from `running` on (the jobs that joined); the
+        rows whose jobs finished leave."""
         rows = self.scheduler.rows
-        keep = list(range(offset))
-        for i, token in enumerate(tokens, start=offset):
-            if self.output.advance(rows[i], token, lps.get(i - offset)):
+        (tokens, lps), (first, first_lps) = decoded, joined
+        keep = []
+        for i, seq in enumerate(rows):
+            if i < len(tokens):
+                stays = self.output.advance(seq, tokens[i], lps.get(i))
+            elif i >= running:
+                stays = self.output.advance(seq, first[i - running], first_lps.get(i - running))
+            else:
+                stays = True
+            if stays:
                 keep.append(i)
-        keep += range(offset + len(tokens), len(rows))
         if len(keep) < len(rows):
             self._keep(keep)
 

@@ -1,24 +1,55 @@
-"""A preallocated KV cache for the hf engine's running batch, written in place.
+"""A preallocated KV cache for the hf engine's running batch, written in place, and the
+attention that reads it: one forward feeds the running rows' next tokens and the joining rows'
+prompts together.
 
 `SlotKV` keeps, per layer, one buffer `[rows, heads, columns, head_dim]` for keys and one for
 values, plus the attention mask `[rows, columns]`, and a window `[start, end)` of columns in
-use. A decode step writes each row's new key/value into column `end` and attends over a view of
-the window, so nothing is copied (transformers' DynamicCache copies the whole cache each step);
-admitting or dropping rows copies only those rows, and a step may feed only the first rows
-(`step_mask`). Row order changes are returned so that the engine keeps its per-row state in
-step. `cache` is the transformers `Cache` the model's forward takes. How the window moves:
-docs/design.md, "The KV cache".
+use. A step (`begin`, the model's forward, `finish`) flattens its tokens into one sequence
+`[1, tokens]`: first one token for each of the first `active` rows, then each joining row's
+tokens. Each token's key/value goes straight into its row's column: a running row's into column
+`end`, a joining row's prompt right-aligned to end there too, so nothing is copied
+(transformers' DynamicCache copies the whole cache each step). `attention` (registered with
+transformers as `genq`) then attends the running rows' tokens over the window and the joining
+rows' tokens causally over their own prompts. So a job that arrives costs the running batch no
+forward of its own: the weights are read once a step, as vLLM's scheduler mixes prefills into
+decode steps. Dropping rows copies only those rows, and a step may feed only the first rows
+(the others sit it out, masked). Row order changes are returned so that the engine keeps its
+per-row state in step. How the window moves: docs/design.md, "The KV cache".
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 import torch
-from transformers import Cache, DynamicCache
+from transformers import AttentionInterface, Cache
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+#: The attention implementation name the hf engine's model runs with (`attention` below).
+ATTENTION = "genq"
+_local = threading.local()  # the step being run on this thread (the engine's)
+
+
+@dataclass
+class _Step:
+    """Where one step's flattened tokens go and what each attends to."""
+
+    active: int  # running rows fed (the first ones); their tokens come first
+    lo: int  # the joining rows' first row
+    width: int  # the longest joining row's length (0: none joins)
+    rows_idx: torch.Tensor | None  # [joining tokens] each joining token's row ...
+    cols_idx: torch.Tensor | None  # ... and column in the buffers
+    decode_mask: torch.Tensor | None  # [active, 1, 1, window + 1] bool
+    gather: torch.Tensor | None  # [joining, width] flat token index per padded prompt slot
+    valid: torch.Tensor | None  # [joining * width] bool: the slots that hold a token
+    prefill_mask: torch.Tensor | None  # [joining, 1, width, width] bool: causal, padding masked
 
 
 class _SlotLayer(DynamicLayer):
-    """One layer of `SlotKV` as transformers sees it."""
+    """One layer of `SlotKV` as transformers sees it: `update` writes the step's keys and values
+    into their rows' columns and hands the whole buffers on to `attention`."""
 
     def __init__(self, kv: SlotKV, index: int):
         super().__init__()
@@ -29,19 +60,69 @@ class _SlotLayer(DynamicLayer):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        kv, n = self.kv, key_states.shape[-2]
+        kv, step = self.kv, self.kv.step
+        if step is None:
+            raise RuntimeError("SlotKV: a forward outside begin() / finish()")
         k, v = kv.k[self.index], kv.v[self.index]
-        end, rows = kv.end, kv.active
-        k[:rows, :, end : end + n] = key_states
-        v[:rows, :, end : end + n] = value_states
-        self.keys, self.values = k[:rows, :, kv.start : end + n], v[:rows, :, kv.start : end + n]
-        return self.keys, self.values
+        a = step.active
+        for buf, new in ((k, key_states[0]), (v, value_states[0])):  # new: [heads, tokens, head_dim]
+            if a:  # a slice's copy: cheaper than index_put for the running rows
+                buf[:a, :, kv.end] = new[:, :a].transpose(0, 1)
+            if step.rows_idx is not None:
+                buf[step.rows_idx, :, step.cols_idx] = new[:, a:].transpose(0, 1)
+        return k, v
 
     def get_seq_length(self) -> int:
         return self.kv.end - self.kv.start
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.kv.end - self.kv.start + query_length, 0
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface, for `SlotKV` steps: `query` is the step's flattened
+    tokens `[1, heads, tokens, head_dim]`, `key`/`value` a layer's whole buffers. The running
+    rows' tokens attend over the window (their masks), the joining rows' causally over their own
+    prompts; both through transformers' SDPA attention (its grouped-query handling). Anything
+    this cannot honour (a soft cap, attention sinks, a sliding window) raises: the engine's load
+    check (worker/engines/arch.py) then refuses the model."""
+    for name in ("softcap", "s_aux", "sliding_window", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"the hf engine's attention does not implement {name}")
+    kv: SlotKV = _local.kv
+    step = kv.step
+    q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
+    parts = []
+    if step.active:
+        r = step.active
+        window = slice(kv.start, kv.end + 1)
+        out, _ = sdpa_attention_forward(
+            module,
+            q[:r].unsqueeze(2),
+            key[:r, :, window],
+            value[:r, :, window],
+            step.decode_mask,
+            scaling=scaling,
+        )
+        parts.append(out.reshape(r, *q.shape[1:]))
+    if step.width:
+        n, w = step.gather.shape
+        rows = slice(step.lo, step.lo + n)
+        cols = slice(kv.end + 1 - w, kv.end + 1)
+        out, _ = sdpa_attention_forward(
+            module,
+            q[step.gather].permute(0, 2, 1, 3),
+            key[rows, :, cols],
+            value[rows, :, cols],
+            step.prefill_mask,
+            scaling=scaling,
+        )
+        parts.append(out.reshape(n * w, *q.shape[1:])[step.valid])
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION, attention)
 
 
 class SlotKV:
@@ -58,7 +139,7 @@ class SlotKV:
         self.device = torch.device(device)
         self.dtype, self.max_rows = dtype, max(1, max_rows)
         self.rows = self.start = self.end = 0
-        self.active = 0  # the rows the current step feeds: the first `active` ones
+        self.step: _Step | None = None
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
@@ -78,52 +159,64 @@ class SlotKV:
     def window_mask(self) -> torch.Tensor:
         return self.mask[: self.rows, self.start : self.end]
 
-    # -- a decode step -------------------------------------------------------------------
+    # -- a step ------------------------------------------------------------------------
 
-    def positions(self, active: int) -> torch.Tensor:
-        """The position of the token each of the first `active` rows feeds next: the number
-        of tokens the row has fed so far (its unmasked columns), `[active, 1]`. Call it
-        before `step_mask`, which unmasks the new column."""
-        return self.mask[:active, self.start : self.end].sum(-1, keepdim=True)
-
-    def step_mask(self, active: int | None = None) -> torch.Tensor:
-        """The attention mask for one more token in each of the first `active` rows (all by
-        default; the model's forward then writes those tokens' keys/values at column `end`);
-        call `advance` after the forward. The other rows sit this step out: column `end` is
-        masked for them, as left padding is, so they resume later exactly where they were."""
-        if self.end >= self.mask.shape[1]:
-            self._realloc(self.rows, left=0, right=max(16, self.length))
-        self.active = self.rows if active is None else active
-        self.mask[: self.active, self.end] = 1
-        self.mask[self.active : self.rows, self.end] = 0
-        return self.mask[: self.active, self.start : self.end + 1]
-
-    def advance(self) -> None:
-        self.end += 1
-
-    # -- rows joining and leaving --------------------------------------------------------
-
-    def append(self, cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Add the rows of a prefill (its cache and its `[n, width]` attention mask) after the
-        running ones, right-aligned with them."""
-        n, width = mask.shape
+    def begin(self, active: int, lengths: list[int]) -> torch.Tensor:
+        """Prepare a step that feeds one token to each of the first `active` rows (the other
+        rows sit it out: their column is masked, as left padding is, so they resume later
+        exactly where they were) and joins new rows of these lengths after all the rows; returns
+        the step's `position_ids` `[1, tokens]` (a running row's: the tokens it has fed so far;
+        a joining row's: from 0). The model's forward must follow on this thread, then
+        `finish`."""
+        if not 0 <= active <= self.rows or not (active or lengths):
+            raise ValueError(f"SlotKV.begin: {active} of {self.rows} rows active, {len(lengths)} joining")
+        n, width = len(lengths), max(lengths, default=0)
         if self.rows == 0:  # an empty batch: the window restarts where it has room on the left
-            self.start = self.end = width if self.mask.shape[1] >= width + 32 else 0
-        grow_left = max(0, width - self.length)
-        if self.rows + n > self.mask.shape[0] or grow_left > self.start:
-            self._realloc(self.rows + n, left=grow_left + 8, right=32)
-        if grow_left:
-            # Wider than the window: the running rows gain masked columns on the left.
+            self.start = self.end = width + 7 if self.mask.shape[1] >= width + 40 else 0
+        grow_left = max(0, width - (self.length + 1))
+        if self.rows + n > self.mask.shape[0] or grow_left > self.start or self.end >= self.mask.shape[1]:
+            self._realloc(self.rows + n, left=grow_left + 8, right=max(32, self.length))
+        if grow_left:  # wider than the window: the running rows gain masked columns on the left
             self.start -= grow_left
             self.mask[: self.rows, self.start : self.start + grow_left] = 0
-        lo, hi = self.rows, self.rows + n
-        at = self.end - width
-        self.mask[lo:hi, self.start : at] = 0
-        self.mask[lo:hi, at : self.end] = mask
-        for i, layer in enumerate(cache.layers):
-            self.k[i][lo:hi, :, at : self.end] = layer.keys
-            self.v[i][lo:hi, :, at : self.end] = layer.values
-        self.rows = hi
+        dev, end, lo = self.device, self.end, self.rows
+        positions = [self.mask[:active, self.start : end].sum(-1)]
+        self.mask[:active, end] = 1
+        self.mask[active:lo, end] = 0
+        rows, cols = [], []
+        for j, length in enumerate(lengths):
+            self.mask[lo + j, self.start : end + 1 - length] = 0
+            self.mask[lo + j, end + 1 - length : end + 1] = 1
+            positions.append(torch.arange(length, device=dev))
+            rows.append(torch.full((length,), lo + j, device=dev))
+            cols.append(torch.arange(end + 1 - length, end + 1, device=dev))
+        step = _Step(active, lo, width, None, None, None, None, None, None)
+        if active:
+            step.decode_mask = self.mask[:active, self.start : end + 1].bool()[:, None, None, :]
+        if n:
+            step.rows_idx, step.cols_idx = torch.cat(rows), torch.cat(cols)
+            # Each joining row's tokens, left-padded to `width`, as indices into the flat step.
+            pad = torch.tensor([width - length for length in lengths], device=dev)
+            offsets = torch.tensor([0, *lengths], device=dev).cumsum(0)[:-1] + active
+            slot = torch.arange(width, device=dev)
+            step.valid = (slot[None, :] >= pad[:, None]).reshape(-1)
+            step.gather = (offsets[:, None] + slot[None, :] - pad[:, None]).clamp(min=0)
+            if n > 1 or width > lengths[0]:
+                causal = slot[None, :] <= slot[:, None]
+                keys = slot[None, None, :] >= pad[:, None, None]
+                # A padding slot's query attends to itself only (its output is dropped).
+                step.prefill_mask = ((causal & keys) | torch.eye(width, dtype=torch.bool, device=dev))[:, None]
+        self.step = step
+        _local.kv = self
+        return torch.cat(positions).view(1, -1)
+
+    def finish(self) -> None:
+        """After the step's forward: the new column is in the window, the joining rows are rows."""
+        step, self.step = self.step, None
+        self.end += 1
+        self.rows += step.gather.shape[0] if step.gather is not None else 0
+
+    # -- rows leaving and moving ---------------------------------------------------------
 
     def swap(self, a: list[int], b: list[int]) -> None:
         """Exchange rows a[i] and b[i] (disjoint): only those rows are copied."""

@@ -1,11 +1,11 @@
 """The hf engine's model runner: the forwards, the sampling and the KV cache's rows.
 
-`prefill` runs the arriving jobs' prompts together (left-padded, each row's own
-`position_ids`) and copies only their keys/values into free rows of the batch's cache
-(worker/engines/kvcache.py); `decode` feeds each running row's newest token, or only the first
-rows' (the others sit the step out); both choose each row's next token on the CPU, through the
-batch's logits processors where a row asks for them (worker/engines/logits.py), with the
-log-probabilities of the rows that want them. `select` and `swap` move rows; the per-row state
+`step` runs one forward for the whole batch: each running row's newest token (or only the
+first rows': the others sit the step out) and the arriving jobs' prompts, flattened into one
+sequence with each token's own position; their keys/values go straight into the batch's cache
+(worker/engines/kvcache.py), so a job that arrives costs no forward of its own. It chooses each
+row's next token on the CPU, through the batch's logits processors where a row asks for them
+(worker/engines/logits.py), with the log-probabilities of the rows that want them. `select` and `swap` move rows; the per-row state
 here (the processors, the next tokens) follows, and the caller gets the new order.
 """
 
@@ -21,36 +21,69 @@ Step = tuple[list[int], dict]  # each row's token, and {row: (logprob, top)} for
 
 
 class ModelRunner:
-    def __init__(self, lm, kv: SlotKV, device: torch.device, pad: int, eos: int | None, tok=None):
-        self.lm, self.kv, self.device, self.pad, self.eos, self.tok = lm, kv, device, pad, eos, tok
+    def __init__(self, lm, kv: SlotKV, device: torch.device, eos: int | None, tok=None):
+        self.lm, self.kv, self.device, self.eos, self.tok = lm, kv, device, eos, tok
         # The logits' width (the output layer's; it may exceed the tokenizer's vocabulary).
         head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
         self.vocab = head.weight.shape[0] if head is not None else lm.config.vocab_size
         self.next: torch.Tensor | None = None  # [rows, 1] each row's newest token, fed next
         self.procs: RowProcessors | None = None  # in step with the rows; None while none needs any
 
-    def prefill(self, seqs: list[Seq], running: int) -> Step:
-        """Prefill the new jobs together (a preempted one: its prompt and the tokens it had)
-        and join them after the `running` rows; returns their first tokens."""
-        fed = [s.fed for s in seqs]
-        width = max(map(len, fed))
-        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, tokens in enumerate(fed):
-            ids[row, width - len(tokens) :] = torch.tensor(tokens)
-            mask[row, width - len(tokens) :] = 1
-        # Each row's own positions, whatever its left padding (OPT derives them from the mask;
-        # most architectures would otherwise number every row's columns from 0 alike).
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
-        # Rows that want prompt_logprobs (on their first prefill) need every position's logits.
-        every = [r for r, s in enumerate(seqs) if s.spec.params.prompt_logprobs is not None and s.prompt_lp is None]
+    def step(self, running: list[Seq], admit: list[Seq]) -> tuple[Step, Step]:
+        """One forward for the next token of each of the first `len(running)` rows (`running`:
+        their jobs; the other rows sit the step out) and the first token of each admitted job
+        (a preempted one feeds its prompt and the tokens it had), which joins after every row.
+        Returns (the running rows' tokens, the admitted jobs' first tokens)."""
+        active, before = len(running), self.kv.rows
+        fed = [s.fed for s in admit]
+        lengths = [len(f) for f in fed]
+        positions = self.kv.begin(active, lengths)
+        ids = [self.next[:active, 0]] if active else []
+        if fed:
+            ids.append(torch.tensor([t for f in fed for t in f], device=self.device))
+        # The logits kept: each running row's, each admitted job's last position's, and every
+        # position of a job that wants prompt_logprobs (on its first prefill).
+        keep, last, spans = list(range(active)), [], {}
+        at = active
+        for r, (seq, n) in enumerate(zip(admit, lengths)):
+            if seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None:
+                spans[r] = len(keep)
+                keep.extend(range(at, at + n))
+            else:
+                keep.append(at + n - 1)
+            last.append(len(keep) - 1)
+            at += n
         out = self.lm(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=0 if every else 1
+            input_ids=torch.cat(ids).view(1, -1),
+            position_ids=positions,
+            past_key_values=self.kv.cache,
+            use_cache=True,
+            logits_to_keep=torch.tensor(keep, device=self.device),
         )
-        if every:
-            self._prompt_logprobs(seqs, every, out.logits, width)
-        raw = out.logits[:, -1, :]
+        self.kv.finish()
+        logits = out.logits[0]
+        decoded = self._decoded(running, logits[:active], before) if active else ([], {})
+        joined = self._joined(admit, fed, logits, last, spans, before) if admit else ([], {})
+        return decoded, joined
+
+    def _decoded(self, seqs: list[Seq], raw: torch.Tensor, rows: int) -> Step:
+        """The running rows' next tokens; they are fed next."""
+        active = len(seqs)
+        everyone = active == rows
+        procs = self.procs if everyone or self.procs is None else self.procs.head(active)
+        tokens = self._choose(seqs, raw, procs)
+        lps = self._logprobs(seqs, raw, tokens)
+        if everyone:
+            self.next = tokens.view(-1, 1).to(self.device)
+        else:
+            self.next[:active, 0] = tokens.to(self.device)
+        return tokens.tolist(), lps
+
+    def _joined(self, seqs: list[Seq], fed: list[list[int]], logits, last: list[int], spans: dict, rows: int) -> Step:
+        """The admitted jobs' first tokens; their rows follow the `rows` running ones."""
+        if spans:
+            self._prompt_logprobs(seqs, spans, logits)
+        raw = logits[last]
         vocab = raw.shape[-1]
         procs = RowProcessors.build(
             [s.spec.params for s in seqs],
@@ -63,33 +96,10 @@ class ModelRunner:
         )
         first = self._choose(seqs, raw, procs)
         lps = self._logprobs(seqs, raw, first)
-        self.procs = RowProcessors.join(self.procs, procs, running, len(seqs), vocab)
-        self.kv.append(out.past_key_values, mask)
+        self.procs = RowProcessors.join(self.procs, procs, rows, len(seqs), vocab)
         nxt = first.view(-1, 1).to(self.device)
-        self.next = nxt if self.next is None else torch.cat([self.next, nxt])
+        self.next = nxt if self.next is None or not rows else torch.cat([self.next, nxt])
         return first.tolist(), lps
-
-    def decode(self, seqs: list[Seq], rows: int) -> Step:
-        """One decode step of the first `rows` rows (`seqs`: those rows' jobs); the other
-        rows get a masked column and go on later where they were."""
-        out = self.lm(
-            input_ids=self.next[:rows],
-            position_ids=self.kv.positions(rows),
-            attention_mask=self.kv.step_mask(rows),
-            past_key_values=self.kv.cache,
-            use_cache=True,
-        )
-        self.kv.advance()
-        raw = out.logits[:, -1, :]
-        everyone = rows == self.kv.rows
-        procs = self.procs if everyone or self.procs is None else self.procs.head(rows)
-        tokens = self._choose(seqs, raw, procs)
-        lps = self._logprobs(seqs, raw, tokens)
-        if everyone:
-            self.next = tokens.view(-1, 1).to(self.device)
-        else:
-            self.next[:rows, 0] = tokens.to(self.device)
-        return tokens.tolist(), lps
 
     def select(self, keep: list[int]) -> list[int]:
         """Keep only the rows in `keep` (ascending); returns each row's old index, in the new
@@ -123,7 +133,7 @@ class ModelRunner:
         seeded generators stay on the CPU whatever the model's device (the same draws for a
         seed on every device); a greedy batch copies only its tokens back from a GPU."""
         if procs is None and raw.device.type != "cpu" and all(s.spec.params.greedy for s in seqs):
-            return raw.argmax(-1).cpu()
+            return raw.max(-1).indices.cpu()
         raw = raw.cpu()
         if procs is None:
             return sample(raw, [s.spec.params for s in seqs], [s.generator for s in seqs])
@@ -132,12 +142,13 @@ class ModelRunner:
         return tokens
 
     @staticmethod
-    def _prompt_logprobs(seqs: list[Seq], rows: list[int], logits: torch.Tensor, width: int) -> None:
+    def _prompt_logprobs(seqs: list[Seq], spans: dict[int, int], logits: torch.Tensor) -> None:
         """Each row's prompt tokens' log-probabilities (from the second: what the positions
-        before predicted), their ranks and the `prompt_logprobs` likeliest there (vLLM's)."""
-        for r in rows:
+        before predicted), their ranks and the `prompt_logprobs` likeliest there (vLLM's);
+        `spans`: row -> where its prompt's logits begin in `logits`."""
+        for r, at in spans.items():
             seq, n = seqs[r], len(seqs[r].prompt_ids)
-            lp = logits[r, width - n : width - 1].float().cpu().log_softmax(-1)
+            lp = logits[at : at + n - 1].float().cpu().log_softmax(-1)
             target = torch.tensor(seq.prompt_ids[1:]).view(-1, 1)
             chosen = lp.gather(1, target)
             ranks = (lp > chosen).sum(-1) + 1
