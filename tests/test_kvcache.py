@@ -69,3 +69,32 @@ def test_steps_joins_and_leaves_match_concatenation():
             at += n
         check(kv, rows, sat_out)
     assert kv.mask.shape[0] <= 16
+
+
+def test_a_batch_that_never_empties_slides_its_window_in_place():
+    """Rows leave and join for 200 steps, never all at once: the window reaches the buffers'
+    right edge again and again and moves back in place, without new buffers, each row's keys
+    intact."""
+    torch.manual_seed(0)
+    kv = SlotKV(LAYERS, HEADS, DIM, torch.float32, max_rows=4)
+    reallocs, realloc = [], kv._realloc
+    kv._realloc = lambda *a, **kw: reallocs.append(a) or realloc(*a, **kw)
+    slides, slide = [], kv._slide
+    kv._slide = lambda: slides.append(slide()) or slides[-1]
+    rows: list[list[torch.Tensor]] = []
+    for step in range(200):
+        joining = [5] if step % 20 == 0 else []  # a job of 40 tokens every 20 steps
+        if len(rows) == 2 and step % 20 == 0:
+            kv.select([1])  # the oldest leaves as the next joins
+            rows = rows[1:]
+        active = len(rows)
+        kv.begin(active, joining)
+        new_k = torch.randn(1, HEADS, active + sum(joining), DIM)
+        for layer in kv.cache.layers:
+            layer.update(new_k, new_k)
+        kv.finish()
+        for r in range(active):
+            rows[r].append(new_k[0, :, r : r + 1])
+        rows += [[new_k[0, :, active:]]] if joining else []
+        check(kv, rows, set())
+    assert slides.count(True) >= 3 and len(reallocs) <= 3, (slides, reallocs)

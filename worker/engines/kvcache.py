@@ -174,7 +174,8 @@ class SlotKV:
         if self.rows == 0:  # an empty batch: the window restarts where it has room on the left
             self.start = self.end = width + 7 if self.mask.shape[1] >= width + 40 else 0
         grow_left = max(0, width - (self.length + 1))
-        if self.rows + n > self.mask.shape[0] or grow_left > self.start or self.end >= self.mask.shape[1]:
+        full = self.end >= self.mask.shape[1]
+        if self.rows + n > self.mask.shape[0] or grow_left > self.start or (full and not self._slide()):
             self._realloc(self.rows + n, left=grow_left + 8, right=max(32, self.length))
         if grow_left:  # wider than the window: the running rows gain masked columns on the left
             self.start -= grow_left
@@ -257,6 +258,21 @@ class SlotKV:
         return order
 
     # -- buffers -------------------------------------------------------------------------
+
+    def _slide(self, left: int = 8) -> bool:
+        """Move the window back to `left`, in place (only its columns are copied), where the
+        buffers hold it twice over: a batch that never empties slides right a column a step,
+        and new buffers (zeroed, every layer) cost far more than the copy. False: no room."""
+        s, e = self.start, self.end
+        length = e - s
+        if self.mask.shape[1] < left + 2 * length + 1:
+            return False
+        r = self.rows  # s >= left + length: the old and new columns do not overlap
+        for buf in (*self.k, *self.v):
+            buf[:r, :, left : left + length] = buf[:r, :, s:e]
+        self.mask[:r, left : left + length] = self.mask[:r, s:e]
+        self.start, self.end = left, left + length
+        return True
 
     def _realloc(self, rows: int, left: int, right: int) -> None:
         """New buffers with room for `rows` rows, `left` free columns before the window and
