@@ -1,9 +1,9 @@
 """What the hf engine needs of an architecture to batch it exactly, checked when it loads.
 
-The engine joins rows of different lengths with left padding and admits rows into a batch that
-is already decoding, so each row's tokens sit at other cache columns than its positions: that is
-exact only where the model takes positions from `position_ids` and padding from the attention
-mask. `prepare` caps the context of sliding-window and length-dependent rotary models where
+The engine admits rows into a batch that is already decoding, in the same forward as the
+running rows' next tokens, so each row's tokens sit at other cache columns than its positions:
+that is exact only where the model takes positions from `position_ids` and runs its attention
+through transformers' attention interface (the engine's, worker/engines/kvcache.py). `prepare` caps the context of sliding-window and length-dependent rotary models where
 they stay exact, and refuses what cannot be batched exactly (encoder-decoders, non-attention
 layers, interleaved sliding windows); `probe` refuses a model whose logits for a row joined to
 a batch differ from the row's alone. A refusal raises `UnsupportedModel`, naming the

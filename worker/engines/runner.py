@@ -5,8 +5,9 @@ first rows': the others sit the step out) and the arriving jobs' prompts, flatte
 sequence with each token's own position; their keys/values go straight into the batch's cache
 (worker/engines/kvcache.py), so a job that arrives costs no forward of its own. It chooses each
 row's next token on the CPU, through the batch's logits processors where a row asks for them
-(worker/engines/logits.py), with the log-probabilities of the rows that want them. `select` and `swap` move rows; the per-row state
-here (the processors, the next tokens) follows, and the caller gets the new order.
+(worker/engines/logits.py), with the log-probabilities of the rows that want them. `select`
+and `swap` move rows; the per-row state here (the processors, the next tokens) follows, and the
+caller gets the new order.
 """
 
 from __future__ import annotations
