@@ -742,6 +742,8 @@ def parse_args(argv):
     args.dtypes = parse_dtypes(ap, args.dtypes)
     if args.rounds < 0:
         ap.error("--rounds takes 0 or more")
+    if args.hf_workers < 1:
+        ap.error("--hf-workers takes 1 or more")
     args.probe_clients = args.probe_clients or min(32, max(args.levels))
     args.probe_duration = args.probe_duration or min(8.0, args.duration)
     return args

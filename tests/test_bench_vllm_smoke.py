@@ -112,3 +112,15 @@ def test_rounds_ratio_is_the_median_of_the_rounds_ratios():
     assert verdict == "PASS" and "median of 3 rounds' ratios (2.00, 0.90, 1.20) = 1.20 x" in what, what
     res["systems"]["hf"]["rounds"][2][0]["rate"] = 5.5  # rounds' ratios 2.0, 0.9, 1.1: the median fails
     assert vllm.verdicts(res)[0][0] == "FAIL"
+
+
+def test_arguments_that_measure_nothing_are_refused(capsys):
+    for argv in (["--hf-workers", "0"], ["--rounds", "-1"], ["--systems", "hf,hf"]):
+        try:
+            vllm.parse_args(argv)
+        except SystemExit as exc:
+            assert exc.code == 2, argv
+        else:
+            raise AssertionError(f"accepted {argv}")
+    assert "--hf-workers takes 1 or more" in capsys.readouterr().err
+    assert vllm.parse_args(["--hf-workers", "2"]).hf_workers == 2
