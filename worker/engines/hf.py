@@ -191,7 +191,7 @@ class HFEngine(Engine):
         runs a parallel CPU op. Each thread that does gets its own OpenMP team: GNU OpenMP,
         counting more threads than cores, then stops spinning between ops, and each of a
         step's hundreds of small ops waits for its team to wake (a decode step of 64 rows took
-        72 ms instead of 42 with the check run on the constructor's thread: docs/benchmarks.md,
+        72 ms instead of 45 with the check run on the constructor's thread: docs/benchmarks.md,
         "One thread runs the model"). oneDNN's packed linears are also faster where they were
         packed ("Packed on the thread that runs them")."""
         try:
