@@ -318,8 +318,15 @@ class JobService:
         double the load); `environ` is the request's WSGI environ, where that shows."""
         deadline = time.monotonic() + self.settings.max_wait
         gone = client_gone(environ)
+        results: list[dict[str, Any]] = []
         try:
-            return [self.outcome(job_id, deadline, gone) for job_id in job_ids]
+            for job_id in job_ids:
+                # Between jobs too: each may end within one slice of the wait (`outcome`) while
+                # the call as a whole lasts long after its client left.
+                if results and gone is not None and gone():
+                    raise ClientGone()
+                results.append(self.outcome(job_id, deadline, gone))
+            return results
         except ClientGone:
             log.info("client went away: cancelling %d job(s)", len(job_ids))
             self.abandon(job_ids)
