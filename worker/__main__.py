@@ -178,6 +178,7 @@ def main() -> None:
         for noisy in ("celery.app.trace", "celery.worker.strategy"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         heartbeat.start()
+        WorkerTask.watch.start()
         log.info("worker %s ready on queue %s", name, queue)
 
     @worker_shutting_down.connect(weak=False)
@@ -189,6 +190,7 @@ def main() -> None:
     @worker_shutdown.connect(weak=False)
     def _close(**_):
         heartbeat.stop()
+        WorkerTask.watch.stop()
         engine.close()
         publisher.close()
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
-
 import redis
 from celery import Celery, Task
 from celery.exceptions import Ignore
@@ -29,6 +27,7 @@ from tasks.celery_app import GENERATE_TASK, TOKENIZE_TASK
 from tasks.jobs import ACTIVE, Attempt, JobStore
 from tasks.schemas import GenerationResult, JobSpec, JobStatus
 from worker import metrics
+from worker.cancels import CancelWatch
 from worker.chat import Chat
 from worker.engines import Engine, GenerationError
 from worker.engines.base import JobCancelled
@@ -37,7 +36,8 @@ from worker.solo import Gate
 
 log = logging.getLogger(__name__)
 
-# How often a waiting task thread looks for a cancellation of its job.
+# How often the worker looks for cancellations of the jobs it runs (worker/cancels.py), and a
+# job waiting at the solo gate for its own.
 CANCEL_POLL_S = 0.5
 # How long an answer to /tokenize waits for the API to pop it.
 REPLY_TTL_S = 60
@@ -53,6 +53,7 @@ class WorkerTask(Task):
     worker_name: str
     publisher: StreamPublisher | None
     chat: Chat | None
+    watch: CancelWatch
     # The jobs this process is running (or about to start): job id -> delivery tag.
     # Recovery compares it with the in-flight hash Redis holds for this worker.
     running: dict[str, str]
@@ -71,30 +72,23 @@ class WorkerTask(Task):
     ) -> None:
         cls.engine, cls.store, cls.worker_name = engine, store, worker_name
         cls.publisher, cls.chat = publisher, chat
+        cls.watch = CancelWatch(store, engine, CANCEL_POLL_S)
         cls.running = {}
         cls.gate = Gate()
 
     def _generate(self, spec: JobSpec, attempt: Attempt) -> GenerationResult:
-        """Hand the job to the engine and wait for it, looking for a cancellation meanwhile."""
+        """Hand the job to the engine and wait for it; the worker's `CancelWatch` has the
+        engine drop it if it is cancelled or superseded meanwhile."""
         if self.chat is not None:
             spec = self.chat.prompt_of(spec)  # a chat job's prompt: its messages rendered
         future = self.engine.submit(spec)
-        while True:
-            try:
-                return future.result(timeout=CANCEL_POLL_S)
-            except FutureTimeout:
-                try:
-                    rec = self.store.get(spec.id)
-                except redis.RedisError:
-                    continue  # Redis is away; the job goes on, the next look may work
-                if rec is None or rec["status"] == JobStatus.cancelled.value:
-                    self.engine.cancel(spec.id)
-                elif int(rec.get("attempts", 0)) != attempt.number:
-                    # Given up for dead while it hung; the job runs elsewhere now.
-                    log.warning("job %s attempt %d superseded; dropping it", spec.id, attempt.number)
-                    self.engine.cancel(spec.id)
-            except JobCancelled:
-                raise Ignore() from None
+        self.watch.watch(spec.id, attempt.number)
+        try:
+            return future.result()
+        except JobCancelled:
+            raise Ignore() from None
+        finally:
+            self.watch.unwatch(spec.id)
 
     def _still_ours(self, job_id: str, attempt: int) -> bool:
         """Whether a job waiting to go into the engine should still run: neither cancelled nor
