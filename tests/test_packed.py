@@ -71,9 +71,10 @@ def test_the_engine_packs_as_set(tiny_model, caplog, setting):
 
 
 def test_the_engine_packs_on_the_thread_that_runs_the_model(tiny_model, monkeypatch):
-    """oneDNN linears packed on one thread and run on another used fewer cores (measured);
-    the engine packs them on its scheduler thread, and a packing that fails fails the
-    constructor instead of leaving an engine that never starts."""
+    """A second thread that runs parallel ops slows every step (GNU OpenMP throttles two
+    teams on two cores: docs/benchmarks.md); the engine packs on its scheduler thread, the
+    one that runs the model, and a packing that fails fails the constructor instead of
+    leaving an engine that never starts."""
     import threading
 
     from tasks.config import Settings

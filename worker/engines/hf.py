@@ -192,8 +192,8 @@ class HFEngine(Engine):
         counting more threads than cores, then stops spinning between ops, and each of a
         step's hundreds of small ops waits for its team to wake (a decode step of 64 rows took
         72 ms instead of 45 with the check run on the constructor's thread: docs/benchmarks.md,
-        "One thread runs the model"). oneDNN's packed linears are also faster where they were
-        packed ("Packed on the thread that runs them")."""
+        "One thread runs the model"; the earlier "Packed on the thread that runs them" was
+        most likely the same effect)."""
         try:
             lm = AutoModelForCausalLM.from_pretrained(model, config=cfg, dtype=dtype, attn_implementation=ATTENTION)
             self.lm = lm.to(device).eval()

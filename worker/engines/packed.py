@@ -37,7 +37,8 @@ def pack(model: torch.nn.Module, rows: int = PACK_ROWS) -> str:
     """Replace every `nn.Linear` in `model` by a `PackedLinear`, all or none; says what it did
     (for the worker's log). Where oneDNN cannot pack the weights' dtype on this CPU (bfloat16
     without AVX-512), the model keeps PyTorch's linears. Call it on the thread that will run
-    the model: packed on another, the layers used fewer cores (HFEngine._start)."""
+    the model: a second thread that runs a parallel op slows every op (GNU OpenMP's
+    throttling; HFEngine._start)."""
     if not torch.backends.mkldnn.is_available():
         return "PyTorch's (this PyTorch has no oneDNN)"
     found = [
