@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+
 import redis
 from celery import Celery, Task
 from celery.exceptions import Ignore
