@@ -9,20 +9,33 @@ how much CPU the rest of the machine used meanwhile)::
 For each batch size b: one warm-up run of each, then timed runs of the two in turn until each
 has `reps` runs not disturbed by other load (at most 2 x reps); the median is reported.
 - generate: b prompts, left-padded into one tensor, one `model.generate(do_sample=False,
-  max_new_tokens=32, min_new_tokens=32)` call (EOS cannot end a row early).
+  max_new_tokens=32, min_new_tokens=32)` call (EOS cannot end a row early), in a child process
+  of its own.
 - engine: HFEngine (worker/engines/hf.py) as the worker builds it; b jobs submitted at once
   (greedy, max_new_tokens=32, ignore_eos), timed until the last future resolves.
+
+The two never share a process: the engine runs the model on its own thread, and a second
+thread of the same process that runs torch ops (generate on the main thread) gives GNU OpenMP
+two thread teams on 2 cores, which then stop spinning between ops and slowed every step of both
+(docs/benchmarks.md, "One thread runs the model").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import sys
 import time
 import uuid
 
-from bench.common import MAX_NEW_TOKENS, mean, median, own_cpu_s, prompt, system_busy_s, wait_for_quiet
+from bench.common import MAX_NEW_TOKENS, mean, median, prompt, system_busy_s, tree_cpu_s, wait_for_quiet
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its children (the generate process)."""
+    return tree_cpu_s(os.getpid())
 
 
 def _measure(fns: dict, reps: int, max_other: float, quiet_wait: float, log) -> dict:
@@ -63,9 +76,40 @@ def _measure(fns: dict, reps: int, max_other: float, quiet_wait: float, log) -> 
     return out
 
 
-def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float, quiet_wait: float, log) -> dict:
+def _serve_generate(model_dir: str, conn) -> None:
+    """The child process of the generate runs: loads the model, then for each batch size it
+    receives runs padded `generate` once and answers with (padded prompt length, mean prompt
+    tokens), or the error's text; None ends it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    conn.send("ready")
+    while (b := conn.recv()) is not None:
+        try:
+            enc = tok([prompt(i) for i in range(b)], return_tensors="pt", padding=True)
+            with torch.inference_mode():
+                out = lm.generate(
+                    **enc,
+                    do_sample=False,
+                    max_new_tokens=MAX_NEW_TOKENS,
+                    min_new_tokens=MAX_NEW_TOKENS,
+                    pad_token_id=pad,
+                )
+            new = out.shape[1] - enc.input_ids.shape[1]
+            if new != MAX_NEW_TOKENS:
+                raise RuntimeError(f"generate made {new} tokens per row, expected {MAX_NEW_TOKENS}")
+            conn.send((int(enc.input_ids.shape[1]), float(enc.attention_mask.sum(1).float().mean())))
+        except Exception as exc:  # the parent raises it
+            conn.send(f"{type(exc).__name__}: {exc}")
+
+
+def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float, quiet_wait: float, log) -> dict:
     from transformers.utils import logging as hf_logging
 
     from tasks.config import Settings
@@ -74,30 +118,28 @@ def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float,
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    # The engine as the worker builds it (its own copy of the weights), minus the token stream.
-    settings = Settings(model=model_dir, model_name="bench-inproc", engine="hf", max_batch_size=max(64, max(batches)))
-    engine = HFEngine(settings)
-    params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    conn, child_conn = multiprocessing.Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=_serve_generate, args=(model_dir, child_conn))
+    child.start()
+    engine = None
     gen_rows, eng_rows = [], []
     try:
+        if not conn.poll(600) or conn.recv() != "ready":
+            raise RuntimeError("the generate process did not start")
+        # The engine as the worker builds it (its own copy of the weights), minus the token stream.
+        settings = Settings(
+            model=model_dir, model_name="bench-inproc", engine="hf", max_batch_size=max(64, max(batches))
+        )
+        engine = HFEngine(settings)
+        params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
         for b in batches:
-            enc = tok([prompt(i) for i in range(b)], return_tensors="pt", padding=True)
 
-            def generate():
-                with torch.inference_mode():
-                    out = lm.generate(
-                        **enc,
-                        do_sample=False,
-                        max_new_tokens=MAX_NEW_TOKENS,
-                        min_new_tokens=MAX_NEW_TOKENS,
-                        pad_token_id=pad,
-                    )
-                new = out.shape[1] - enc.input_ids.shape[1]
-                if new != MAX_NEW_TOKENS:
-                    raise RuntimeError(f"generate made {new} tokens per row, expected {MAX_NEW_TOKENS}")
+            def generate(b=b):
+                conn.send(b)
+                answer = conn.recv()
+                if isinstance(answer, str):
+                    raise RuntimeError(answer)
+                return answer
 
             def hfengine():
                 futures = [
@@ -117,8 +159,7 @@ def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float,
                 if name == "engine":
                     r["batch_size_mean"] = extra
                 else:
-                    r["padded_prompt_len"] = int(enc.input_ids.shape[1])
-                    r["prompt_tokens_mean"] = float(enc.attention_mask.sum(1).float().mean())
+                    r["padded_prompt_len"], r["prompt_tokens_mean"] = extra
                 r.update(batch=b, req_s=b / r["latency_s"], tok_s=b * MAX_NEW_TOKENS / r["latency_s"])
                 rows.append(r)
                 log(
@@ -129,7 +170,16 @@ def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float,
                     + ")"
                 )
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
+        try:
+            conn.send(None)
+        except OSError:
+            pass  # it is gone already
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join()
     return {"generate": gen_rows, "engine": eng_rows}
 
 
