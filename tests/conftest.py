@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +39,16 @@ def redis_url():
     server = stack.PrivateRedis()
     yield server.url
     server.stop()
+
+
+@pytest.fixture
+def store(redis_url):
+    """A JobStore on the session's Redis (no model, no worker)."""
+    from tasks.jobs import JobStore
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield JobStore(client, ttl=600, max_attempts=3)
+    client.close()
 
 
 @pytest.fixture(scope="session")

@@ -145,3 +145,14 @@ def table_rows(doc: str, section: str) -> list[list[str]]:
         elif table or line.startswith("#"):
             break
     return table[2:]
+
+
+def queued_job(store, **params) -> str:
+    """A new queued job's id in `store` (a JobStore), on a queue of its own."""
+    import uuid
+
+    from tasks.schemas import JobSpec, SamplingParams
+
+    spec = JobSpec(id=str(uuid.uuid4()), model="m", prompt="p", params=SamplingParams(**params))
+    assert store.create([spec], f"genq.test-{uuid.uuid4().hex[:6]}", 10)[0]
+    return spec.id

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from tasks.jobs import JobStore
-from tasks.schemas import JobSpec, SamplingParams
+from tests.helpers import queued_job
 from worker.cancels import CancelWatch
 
 
@@ -25,18 +25,12 @@ class Engine:
         self.cancelled.append(job_id)
 
 
-@pytest.fixture
-def store(redis_url):
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    yield JobStore(client, ttl=600, max_attempts=3)
-    client.close()
-
-
 def _running(store: JobStore) -> str:
-    spec = JobSpec(id=str(uuid.uuid4()), model="m", prompt="p", params=SamplingParams())
-    assert store.create([spec], f"genq.test-{uuid.uuid4().hex[:6]}", 10)[0]
-    assert store.start(spec.id, "w1", "tag").number == 1
-    return spec.id
+    """A job running its first attempt on a worker of its own (other tests look at the
+    in-flight hashes of the workers they name)."""
+    job = queued_job(store)
+    assert store.start(job, f"w-{uuid.uuid4().hex[:8]}", "tag").number == 1
+    return job
 
 
 def test_one_look_drops_the_cancelled_the_gone_and_the_superseded(store, caplog):
@@ -48,7 +42,9 @@ def test_one_look_drops_the_cancelled_the_gone_and_the_superseded(store, caplog)
         watch.watch(job, 1)
     assert watch.look() == [gone] and engine.cancelled == [gone]  # no record: dropped at once
     store.cancel(cancelled)
-    assert store.start(superseded, "w2", "tag-2").number == 2  # given up for dead, runs elsewhere
+    assert (
+        store.start(superseded, f"w-{uuid.uuid4().hex[:8]}", "tag-2").number == 2
+    )  # given up for dead, runs elsewhere
     with caplog.at_level(logging.WARNING, logger="worker.cancels"):
         assert sorted(watch.look()) == sorted([cancelled, superseded])
     assert sorted(engine.cancelled) == sorted([gone, cancelled, superseded])

@@ -11,29 +11,16 @@ import threading
 import time
 import uuid
 
-import pytest
 import redis
 
 from tasks import keys
 from tasks.jobs import RESULT_RAW, JobStore
-from tasks.schemas import JobSpec, JobStatus, SamplingParams
-
-
-@pytest.fixture
-def store(redis_url):
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    yield JobStore(client, ttl=600, max_attempts=3)
-    client.close()
-
-
-def _job(store: JobStore) -> str:
-    spec = JobSpec(id=str(uuid.uuid4()), model="m", prompt="p", params=SamplingParams())
-    assert store.create([spec], f"genq.test-{uuid.uuid4().hex[:6]}", 10)[0]
-    return spec.id
+from tasks.schemas import JobStatus
+from tests.helpers import queued_job
 
 
 def test_succeed_writes_result_and_status_only_for_the_current_attempt(store):
-    job = _job(store)
+    job = queued_job(store)
     result_key = f"celery-task-meta-{job}"
     assert store.start(job, "w1", "t1").number == 1
     assert store.start(job, "w2", "t2").number == 2
@@ -52,7 +39,7 @@ def test_succeed_writes_result_and_status_only_for_the_current_attempt(store):
 
 
 def test_get_with_result_key_reads_the_record_and_the_result_together(store):
-    job = _job(store)
+    job = queued_job(store)
     result_key = f"celery-task-meta-{job}"
     rec = store.get(job, result_key)
     assert rec["status"] == JobStatus.queued.value and rec[RESULT_RAW] is None
@@ -64,7 +51,7 @@ def test_get_with_result_key_reads_the_record_and_the_result_together(store):
 
 
 def test_wait_reads_the_final_record_in_the_round_trip_that_blocked(store, monkeypatch):
-    job = _job(store)
+    job = queued_job(store)
     result_key = f"celery-task-meta-{job}"
     store.start(job, "w1", "t1")
     # Every round trip of `store.r`: a single command by name, or a whole pipeline.
@@ -94,7 +81,7 @@ def test_wait_reads_the_final_record_in_the_round_trip_that_blocked(store, monke
     assert 0.2 < waited < 5  # woken by the done stream, not by the end of a block
     assert trips == ["pipeline"]
     # A wait that runs out returns the record as it stands, still in one round trip a block.
-    job2 = _job(store)
+    job2 = queued_job(store)
     trips.clear()
     rec = store.wait(job2, 0.05, exists=True, result_key=result_key)
     assert rec["status"] == JobStatus.queued.value and trips == ["pipeline"]

@@ -21,7 +21,7 @@ from tasks import keys
 from tasks.jobs import JobStore
 from tasks.schemas import JobSpec, JobStatus, SamplingParams
 from tasks.streams import Restart, StreamEnd, TokenEvent, follow
-from tests.helpers import KillableRedis, joined, stream, submit
+from tests.helpers import KillableRedis, joined, queued_job, stream, submit
 from worker.publisher import StreamPublisher
 
 # The default heartbeat (the other test stacks beat faster, to be quick).
@@ -473,21 +473,8 @@ def test_the_queue_cap_is_exact_under_concurrent_submissions(make_stack):
 # -- the fence and the restart marker, against a real Redis, without a model -----------------
 
 
-@pytest.fixture
-def store(redis_url):
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    yield JobStore(client, ttl=600, max_attempts=3)
-    client.close()
-
-
-def _job(store: JobStore, **params) -> str:
-    spec = JobSpec(id=str(uuid.uuid4()), model="m", prompt="p", params=SamplingParams(**params))
-    assert store.create([spec], f"genq.test-{uuid.uuid4().hex[:6]}", 10)[0]
-    return spec.id
-
-
 def test_a_superseded_attempt_cannot_finish_the_job(store):
-    job = _job(store)
+    job = queued_job(store)
     first = store.start(job, "w1", "tag-1")
     second = store.start(job, "w2", "tag-2")
     assert (first.run, first.number, second.run, second.number) == (True, 1, True, 2)
@@ -498,7 +485,7 @@ def test_a_superseded_attempt_cannot_finish_the_job(store):
 
 
 def test_a_job_out_of_attempts_fails_when_delivered_again(store):
-    job = _job(store)
+    job = queued_job(store)
     for n in (1, 2, 3):
         assert store.start(job, f"w{n}", f"t{n}").run
     fourth = store.start(job, "w4", "t4")
@@ -530,7 +517,7 @@ def _take(it, n: int) -> list:
 def test_readers_never_mix_two_attempts_tokens(store, second):
     """A new attempt's tokens: other ones (a sampled job), the same ones (a greedy replay), or
     the same at first and then others (a greedy job re-run in another batch in bfloat16)."""
-    job = _job(store, temperature=1.0) if second == "sampled" else _job(store)
+    job = queued_job(store, temperature=1.0) if second == "sampled" else queued_job(store)
     store.start(job, "w1", "t1")
     _publish(store, job, 1, ["a", "b", "c"])
     reader = follow(store.r, [job], store.get)
