@@ -6,8 +6,8 @@ job was given up for dead while this process hung, and runs elsewhere now). Ever
 `CancelWatch` reads the status and attempt of every job it watches in one Redis round trip and
 tells the engine to drop those. Each task thread used to look for its own job twice a second:
 64 waiting threads woke 128 times a second, each taking the GIL from the engine's thread, which
-cost the hf engine 6-7 % of its requests/s at 32 and 64 clients (docs/benchmarks.md, "One look
-for cancellations").
+cost the hf engine a few per cent of its requests/s at 64 clients (docs/benchmarks.md, "One
+look for cancellations").
 """
 
 from __future__ import annotations
