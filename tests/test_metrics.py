@@ -34,31 +34,39 @@ def total(samples: dict, name: str, **labels) -> float:
 
 
 def _echo_workers(s, body: dict) -> list[dict]:
-    """This stack's echo worker among /readyz's other workers: the suite's Redis is shared,
-    and another module's workers (not yet a heartbeat TTL gone) are listed there too."""
+    """This stack's echo worker among /readyz's other workers."""
     return [w for w in body.get("other_workers", []) if w["model"] == s.name + "-echo"]
 
 
 @pytest.fixture(scope="module")
-def metered(make_module_stack):
-    base = stackmod.free_port()
-    s = make_module_stack(
-        GENQ_API_WORKERS="2", GENQ_METRICS_PORT=str(base), GENQ_LOG_FORMAT="json", GENQ_MAX_BATCH_SIZE="8"
-    )
-    s.metrics_base = base
-    s.start_api()
-    s.start_worker()
-    s.start_worker()
-    # A second engine, as with GENQ_ENGINES=hf,echo (ports of its own: the hf ones are checked below).
-    s.start_worker(GENQ_ENGINE="echo", GENQ_MODEL_NAME=s.name + "-echo", GENQ_METRICS_PORT=str(stackmod.free_port()))
+def metered(tiny_model, stack_logs):
+    """A stack on a Redis of its own: the counts below must not see other modules' workers
+    (the session's vLLM worker would answer this stack's /generate_vllm)."""
+    from conftest import Stacks
 
-    def ready():
-        body = s.get("/readyz").json()
-        return len(body.get("workers", [])) == 2 and len(_echo_workers(s, body)) == 1
+    db = stackmod.PrivateRedis()
+    stacks = Stacks(db.url, tiny_model, stack_logs)
+    try:
+        base = stackmod.free_port()
+        s = stacks(GENQ_API_WORKERS="2", GENQ_METRICS_PORT=str(base), GENQ_LOG_FORMAT="json", GENQ_MAX_BATCH_SIZE="8")
+        s.metrics_base = base
+        s.start_api()
+        s.start_worker()
+        s.start_worker()
+        # A second engine, as with GENQ_ENGINES=hf,echo (ports of its own: the hf ones are
+        # checked below).
+        echo_port = str(stackmod.free_port())
+        s.start_worker(GENQ_ENGINE="echo", GENQ_MODEL_NAME=s.name + "-echo", GENQ_METRICS_PORT=echo_port)
 
-    stackmod.wait_until(ready, 90, "three workers", s.procs)
-    yield s
-    s.stop()
+        def ready():
+            body = s.get("/readyz").json()
+            return len(body.get("workers", [])) == 2 and len(_echo_workers(s, body)) == 1
+
+        stackmod.wait_until(ready, 90, "three workers", s.procs)
+        yield s
+    finally:
+        stacks.stop()
+        db.stop()
 
 
 @pytest.fixture(scope="module")
