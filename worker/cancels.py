@@ -53,12 +53,12 @@ class CancelWatch:
             pipe.hmget(keys.job(job_id), "status", "attempts")
         dropped = []
         for (job_id, attempt), (status, attempts) in zip(jobs, pipe.execute()):
-            if status is None or status == JobStatus.cancelled.value:
-                pass
-            elif int(attempts or 0) != attempt:
-                log.warning("job %s attempt %d superseded; dropping it", job_id, attempt)
-            else:
+            ended = status is None or status == JobStatus.cancelled.value  # cancelled, or gone
+            superseded = not ended and int(attempts or 0) != attempt
+            if not (ended or superseded):
                 continue
+            if superseded:
+                log.warning("job %s attempt %d superseded; dropping it", job_id, attempt)
             self.engine.cancel(job_id)
             dropped.append(job_id)
         if dropped:
