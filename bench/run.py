@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -31,8 +32,8 @@ from bench.common import (
     int_list,
     job_stats,
     log,
+    main_with_render,
     parser,
-    publish,
     quietest,
     run_bench,
     run_lines,
@@ -42,6 +43,7 @@ from bench.common import (
 from bench.common import fmt as _f
 from bench.common import noise as _noise
 from bench.load import measure_levels, spawn_load
+from worker.engines import dtype as dtype_rule
 
 DEFAULT_LEVELS = "1,2,5,10,32,64"
 MAX_BATCH_SIZE = 64
@@ -253,6 +255,15 @@ def targets(res: dict) -> list[tuple[str, str]]:
     return out
 
 
+def engine_dtype(res: dict) -> str:
+    """What the page says of the HFEngine's and the worker's weights (GENQ_DTYPE)."""
+    d = res.get("engine_dtype")
+    if d is None:  # results.json of a run before it was recorded
+        return "the HFEngine and the worker in GENQ_DTYPE's dtype (not recorded)"
+    why = f", {d['why'].removeprefix('auto: ')}" if d["setting"] == "auto" else ""
+    return f"the HFEngine and the worker in **{d['dtype']}** (GENQ_DTYPE={d['setting']}{why})"
+
+
 def render(res: dict) -> str:
     m, inproc, api, echo, a = res["machine"], res["inproc"], res["api"], res["echo"], res["args"]
     gen = {r["batch"]: r for r in inproc["generate"]}
@@ -264,7 +275,8 @@ def render(res: dict) -> str:
     )
     L.append(
         f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
-        f"parameters, float32); one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}, API under gunicorn "
+        f"parameters, stored in float32); `model.generate` in float32, as the teaching server ran it; "
+        f"{engine_dtype(res)}; one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}, API under gunicorn "
         f"({res['api_server']}); >= {a['duration']:g} s and >= {a['min_requests']} requests per client per "
         f"level; in-process: median of {a['reps']} runs; echo: {a['echo_duration']:g} s"
     )
@@ -404,7 +416,7 @@ def render(res: dict) -> str:
 
 
 def parse_args(argv: list[str] | None):
-    ap = parser("bench.run", __doc__, levels=DEFAULT_LEVELS, out="benchmarks.md", quiet_wait=True)
+    ap = parser("bench.run", __doc__, levels=DEFAULT_LEVELS, out="benchmarks.md", render=True, quiet_wait=True)
     ap.add_argument("--reps", type=int, default=3, help="timed in-process runs per batch size (default 3)")
     ap.add_argument(
         "--echo-duration",
@@ -434,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(procs: Processes, res: dict, outdir: Path) -> None:
         model_dir = Path(res["model_dir_abs"])
+        setting = os.environ.get("GENQ_DTYPE", "auto")
+        dtype, why = dtype_rule.resolve(setting)
+        res["engine_dtype"] = {"setting": setting, "dtype": dtype, "why": why}
         log(f"in-process phases (generate, HFEngine) at batch sizes {args.levels}")
         res["inproc"] = phase_inproc(procs, model_dir, args, outdir)
         db = RedisTarget(procs)
@@ -445,8 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         res["echo"] = phase_echo(procs, db.url, db.pid, model_dir, args, outdir)
 
-    res = run_bench("bench.run", args, argv, measure, api_server=api_server_desc())
-    return publish(res, args, render, INTRO, MARKER)
+    return main_with_render(
+        args, lambda: run_bench("bench.run", args, argv, measure, api_server=api_server_desc()), render, INTRO, MARKER
+    )
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ and a verdict per target. --no-write: docs/benchmarks.md is untouched."""
 
 from __future__ import annotations
 
+import os
+
 from scripts import stack
 from tests.helpers import digest, run_bench, table_rows
+from worker.engines import dtype as dtype_rule
 
 DOC = stack.ROOT / "docs" / "benchmarks.md"
 
@@ -48,4 +51,7 @@ def test_bench_quick_run(tiny_model, redis_url):
         assert any(line.startswith(("- **PASS** " + target, "- **FAIL** " + target)) for line in out.splitlines()), (
             target
         )
+    # Each side's dtype: generate as the teaching server ran it, the engine as GENQ_DTYPE resolves here.
+    dtype, _ = dtype_rule.resolve(os.environ.get("GENQ_DTYPE", "auto"))
+    assert "`model.generate` in float32" in out and f"the HFEngine and the worker in **{dtype}**" in out
     assert digest(DOC) == before, "--no-write must not touch docs/benchmarks.md"
