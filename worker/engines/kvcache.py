@@ -123,9 +123,9 @@ def decode_attention(
 
     Two batched matmuls and a float32 softmax, as transformers' eager attention computes it
     (scores in the weights' dtype, softmax in float32). Each key/value head serves its group of
-    consecutive query heads in place (no copy of the cache per group). With PyTorch's fused SDPA
-    kernel for the CPU instead, a 64-row bfloat16 decode step took up to ~10 % longer (as long
-    at other times), never shorter (docs/benchmarks.md, "Decode attention as two matmuls")."""
+    consecutive query heads in place (no copy of the cache per group). PyTorch's fused SDPA
+    kernel for the CPU took ~10 % more of a 64-row bfloat16 decode step for this one-query
+    shape and no less in float32 (docs/benchmarks.md, "Decode attention as two matmuls")."""
     rows, heads, dim = q.shape
     kv_heads = key.shape[1]
     grouped = q.reshape(rows, kv_heads, heads // kv_heads, dim)
