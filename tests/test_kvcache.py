@@ -98,35 +98,3 @@ def test_a_batch_that_never_empties_slides_its_window_in_place():
         rows += [[new_k[0, :, active:]]] if joining else []
         check(kv, rows, set())
     assert slides.count(True) >= 3 and len(reallocs) <= 3, (slides, reallocs)
-
-
-def test_decode_attention_matches_sdpa():
-    """The running rows' attention (two matmuls) against PyTorch's SDPA over the same masked
-    window, with grouped-query heads and without, in float32 (to rounding) and bfloat16 (to its
-    precision): rows whose masks differ (left padding, a column sat out), a given scale and the
-    default one."""
-    from worker.engines.kvcache import decode_attention
-
-    torch.manual_seed(0)
-    rows, window, dim = 5, 9, 16
-    attends = torch.rand(rows, window) < 0.7
-    attends[:, -1] = True  # a running row always attends to its newest token
-    attends[0, :4] = False  # left padding
-    bias = torch.zeros(rows, 1, 1, window).masked_fill_(~attends[:, None, None, :], float("-inf"))
-    for heads, kv_heads in ((4, 4), (6, 2), (4, 1)):
-        q32 = torch.randn(rows, heads, dim)
-        k32, v32 = torch.randn(rows, kv_heads, window, dim), torch.randn(rows, kv_heads, window, dim)
-        for scaling in (None, 0.3):
-            want = torch.nn.functional.scaled_dot_product_attention(
-                q32.unsqueeze(2),
-                k32.repeat_interleave(heads // kv_heads, dim=1),
-                v32.repeat_interleave(heads // kv_heads, dim=1),
-                attn_mask=attends[:, None, None, :],
-                scale=scaling,
-            ).squeeze(2)
-            got = decode_attention(q32, k32, v32, bias, scaling)
-            assert got.shape == (rows, heads, dim)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            half = decode_attention(q32.bfloat16(), k32.bfloat16(), v32.bfloat16(), bias, scaling)
-            assert half.dtype == torch.bfloat16
-            torch.testing.assert_close(half.float(), want, rtol=0.05, atol=0.05)

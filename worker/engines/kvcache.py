@@ -41,7 +41,7 @@ class _Step:
     width: int  # the longest joining row's length (0: none joins)
     rows_idx: torch.Tensor | None  # [joining tokens] each joining token's row ...
     cols_idx: torch.Tensor | None  # ... and column in the buffers
-    decode_bias: torch.Tensor | None  # [active, 1, 1, window + 1] float32: 0 attends, -inf not
+    decode_mask: torch.Tensor | None  # [active, 1, 1, window + 1] bool
     gather: torch.Tensor | None  # [joining, width] flat token index per padded prompt slot
     valid: torch.Tensor | None  # [joining * width] bool: the slots that hold a token
     prefill_mask: torch.Tensor | None  # [joining, 1, width, width] bool: causal, padding masked
@@ -82,10 +82,10 @@ class _SlotLayer(DynamicLayer):
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface, for `SlotKV` steps: `query` is the step's flattened
     tokens `[1, heads, tokens, head_dim]`, `key`/`value` a layer's whole buffers. The running
-    rows' tokens attend over the window (their masks; `decode_attention`), the joining rows'
-    causally over their own prompts (transformers' SDPA attention, its grouped-query handling).
-    Anything this cannot honour (a soft cap, attention sinks, a sliding window) raises: the
-    engine's load check (worker/engines/arch.py) then refuses the model."""
+    rows' tokens attend over the window (their masks), the joining rows' causally over their own
+    prompts; both through transformers' SDPA attention (its grouped-query handling). Anything
+    this cannot honour (a soft cap, attention sinks, a sliding window) raises: the engine's load
+    check (worker/engines/arch.py) then refuses the model."""
     for name in ("softcap", "s_aux", "sliding_window", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"the hf engine's attention does not implement {name}")
@@ -96,7 +96,15 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if step.active:
         r = step.active
         window = slice(kv.start, kv.end + 1)
-        parts.append(decode_attention(q[:r], key[:r, :, window], value[:r, :, window], step.decode_bias, scaling))
+        out, _ = sdpa_attention_forward(
+            module,
+            q[:r].unsqueeze(2),
+            key[:r, :, window],
+            value[:r, :, window],
+            step.decode_mask,
+            scaling=scaling,
+        )
+        parts.append(out.reshape(r, *q.shape[1:]))
     if step.width:
         n, w = step.gather.shape
         rows = slice(step.lo, step.lo + n)
@@ -112,27 +120,6 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         parts.append(out.reshape(n * w, *q.shape[1:])[step.valid])
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(0), None
-
-
-def decode_attention(
-    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scaling: float | None
-) -> torch.Tensor:
-    """The running rows' attention, one query each: `q` `[rows, heads, head_dim]`, `key` and
-    `value` `[rows, kv_heads, window, head_dim]`, `bias` `[rows, 1, 1, window]` float32 (0 where
-    a row attends, -inf where it does not); returns `[rows, heads, head_dim]`.
-
-    Two batched matmuls and a float32 softmax, as transformers' eager attention computes it
-    (scores in the weights' dtype, softmax in float32). Each key/value head serves its group of
-    consecutive query heads in place (no copy of the cache per group). PyTorch's fused SDPA
-    kernel for the CPU took ~10 % more of a 64-row bfloat16 decode step for this one-query
-    shape and no less in float32 (docs/benchmarks.md, "Decode attention as two matmuls")."""
-    rows, heads, dim = q.shape
-    kv_heads = key.shape[1]
-    grouped = q.reshape(rows, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float()
-    scores.mul_(scaling if scaling is not None else dim**-0.5).add_(bias)
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    return torch.matmul(probs, value).reshape(rows, heads, dim)
 
 
 AttentionInterface.register(ATTENTION, attention)
@@ -206,9 +193,7 @@ class SlotKV:
             cols.append(torch.arange(end + 1 - length, end + 1, device=dev))
         step = _Step(active, lo, width, None, None, None, None, None, None)
         if active:
-            attends = self.mask[:active, self.start : end + 1].bool()[:, None, None, :]
-            step.decode_bias = torch.zeros(attends.shape, dtype=torch.float32, device=dev)
-            step.decode_bias.masked_fill_(~attends, float("-inf"))
+            step.decode_mask = self.mask[:active, self.start : end + 1].bool()[:, None, None, :]
         if n:
             step.rows_idx, step.cols_idx = torch.cat(rows), torch.cat(cols)
             # Each joining row's tokens, left-padded to `width`, as indices into the flat step.
