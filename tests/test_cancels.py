@@ -42,9 +42,8 @@ def test_one_look_drops_the_cancelled_the_gone_and_the_superseded(store, caplog)
         watch.watch(job, 1)
     assert watch.look() == [gone] and engine.cancelled == [gone]  # no record: dropped at once
     store.cancel(cancelled)
-    assert (
-        store.start(superseded, f"w-{uuid.uuid4().hex[:8]}", "tag-2").number == 2
-    )  # given up for dead, runs elsewhere
+    # Given up for dead: its next attempt runs elsewhere.
+    assert store.start(superseded, f"w-{uuid.uuid4().hex[:8]}", "tag-2").number == 2
     with caplog.at_level(logging.WARNING, logger="worker.cancels"):
         assert sorted(watch.look()) == sorted([cancelled, superseded])
     assert sorted(engine.cancelled) == sorted([gone, cancelled, superseded])
