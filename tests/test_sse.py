@@ -4,6 +4,7 @@ events are fakes here; the streams' behaviour end to end is in test_streaming/te
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from tasks.config import Settings, queue_for
@@ -90,6 +91,9 @@ def test_the_job_stream_frames_a_restart(redis_url, monkeypatch):
     assert blocks[1].startswith("event: restart\n") and '"attempt": 2' in blocks[1]
     assert blocks[2] == 'id: 2:0\nevent: token\ndata: {"index": 0, "text": " b"}'
     assert blocks[3].startswith("id: 2:1\nevent: done\n")
+    # A worker from before the prefix cache sends no cached_tokens: the done event says 0.
+    done = json.loads(blocks[3].split("data: ", 1)[1])
+    assert done["usage"] == {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}
     app.extensions["genq"].r.delete(queue_for(settings.served_model))
 
 

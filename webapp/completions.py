@@ -173,9 +173,8 @@ class CompletionService:
         """The whole answer of a request whose jobs have all succeeded."""
         picked = best(sub, results) if sub.jobs.best_of else results
         body = chat_body(sub, picked) if sub.jobs.api == "chat" else completion_body(sub, picked)
-        if picked is not results:  # usage counts every completion generated
-            prompt = sum(r["prompt_tokens"] for r in results[:: sub.jobs.best_of])
-            body["usage"] = openai.usage(prompt, sum(r["completion_tokens"] for r in results)).model_dump()
+        if picked is not results:  # usage counts every completion generated, each prompt once
+            body["usage"] = openai.usage_of(results, results[:: sub.jobs.best_of]).model_dump(mode="json")
         return body
 
     def answer(self, req: Jobs, owner: ApiKey | None) -> dict[str, Any] | Response:
@@ -225,8 +224,7 @@ def completion_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, 
         )
         for k, r in enumerate(results)
     ]
-    total = openai.usage(sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results))
-    return openai.completion(sub.response_id, sub.model, choices, total, sub.created)
+    return openai.completion(sub.response_id, sub.model, choices, openai.usage_of(results), sub.created)
 
 
 class _Relay:
@@ -236,7 +234,7 @@ class _Relay:
     def __init__(self, sub: Submitted):
         self.sub = sub
         self.index = {job_id: i for i, job_id in enumerate(sub.ids)}
-        self.counts = [0, 0]
+        self.counts = [0, 0, 0]  # prompt, completion, cached tokens
 
     def chunk(self, i: int, text: str, finish: str | None, logprobs: dict | None) -> str:
         raise NotImplementedError
@@ -251,6 +249,7 @@ class _Relay:
         if ev.finish and ev.usage:
             self.counts[0] += ev.usage["prompt_tokens"]
             self.counts[1] += ev.usage["completion_tokens"]
+            self.counts[2] += openai.cached_tokens(ev.usage)
         return self.chunk(self.index[job_id], ev.text, ev.finish, ev.logprobs)
 
     def end(self, _, ev) -> sse.Last:
@@ -300,9 +299,8 @@ def chat_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
         )
         for k, r in enumerate(results)
     ]
-    total = openai.usage(sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results))
     body = openai.ChatCompletionResponse(
-        id=sub.response_id, created=sub.created, model=sub.model, choices=choices, usage=total
+        id=sub.response_id, created=sub.created, model=sub.model, choices=choices, usage=openai.usage_of(results)
     )
     return body.model_dump(mode="json")
 

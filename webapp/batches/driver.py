@@ -259,8 +259,10 @@ class BatchDriver:
             )
         return settled
 
-    def output_line(self, entry: dict, jobs: dict[str, dict], stopping: str | None) -> tuple[str, str, tuple[int, int]]:
-        """('out' | 'err' | 'drop', the output line, (prompt tokens, completion tokens)). A
+    def output_line(
+        self, entry: dict, jobs: dict[str, dict], stopping: str | None
+    ) -> tuple[str, str, tuple[int, int, int]]:
+        """('out' | 'err' | 'drop', the output line, (prompt, completion, cached tokens)). A
         line whose job the batch's end cancelled is dropped (cancelled) or a `batch_expired`
         error line (expired), as OpenAI writes them."""
         results, error = [], None
@@ -282,15 +284,16 @@ class BatchDriver:
             results.append(result)
         if error is not None and stopping and error.get("code") in ("cancelled", "expired"):
             if stopping == "expired":
-                return "err", expired_line(entry["custom_id"]), (0, 0)
-            return "drop", "", (0, 0)
+                return "err", expired_line(entry["custom_id"]), (0, 0, 0)
+            return "drop", "", (0, 0, 0)
         if error is not None:
             status = job_error_status(error["code"])
             body = error_body(status, error["code"], error["message"])
-            return "err", response_line(entry["custom_id"], status, entry["ids"][0], body), (0, 0)
+            return "err", response_line(entry["custom_id"], status, entry["ids"][0], body), (0, 0, 0)
         body = self.completions.body(Submitted.from_entry(entry), results)
-        p_tok, c_tok = body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
-        return "out", response_line(entry["custom_id"], 200, entry["ids"][0], body), (p_tok, c_tok)
+        usage = body["usage"]
+        tokens = (usage["prompt_tokens"], usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+        return "out", response_line(entry["custom_id"], 200, entry["ids"][0], body), tokens
 
     # -- feeding
 

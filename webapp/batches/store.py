@@ -50,7 +50,7 @@ return 1
 
 # A pending line's jobs ended: its output line goes to out or err (or nowhere: 'drop', a line
 # cancelled with its batch), counted, once. KEYS: batch, pending, out, err. ARGV: field, kind
-# ('out' | 'err' | 'drop'), line, prompt tokens, completion tokens.
+# ('out' | 'err' | 'drop'), line, prompt tokens, completion tokens, cached prompt tokens.
 SETTLE = """
 if redis.call('HDEL', KEYS[2], ARGV[1]) == 0 then return 0 end
 if ARGV[2] == 'out' then
@@ -64,6 +64,7 @@ elseif ARGV[2] == 'err' then
 end
 redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5])
+redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[6])
 return 1
 """
 

@@ -166,7 +166,12 @@ class Batch(BaseModel):
             error_file_id=rec.get("error_file_id") or None,
             **{name: ts(name) for name in TIMESTAMPS},
             request_counts=RequestCounts(total=num("total"), completed=num("completed"), failed=num("failed")),
-            usage=BatchUsage(input_tokens=inp, output_tokens=out, total_tokens=inp + out),
+            usage=BatchUsage(
+                input_tokens=inp,
+                output_tokens=out,
+                total_tokens=inp + out,
+                input_tokens_details=InputTokensDetails(cached_tokens=num("cached_tokens")),
+            ),
             metadata=json.loads(rec["metadata"]) if rec.get("metadata") else None,
         )
 

@@ -433,10 +433,17 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="prompt tokens served from the engine's prefix cache (not computed)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(
+        default_factory=PromptTokensDetails, description="always present (cached_tokens 0 when nothing was cached)"
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -498,11 +505,29 @@ def choice(
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+def cached_tokens(counts: dict[str, Any] | None) -> int:
+    """A job's result's (or its stream's final usage's) `cached_tokens`: 0 when it has none (a
+    worker from before the prefix cache, during a rolling upgrade)."""
+    return int((counts or {}).get("cached_tokens") or 0)
+
+
+def usage_of(results: list[dict[str, Any]], prompts: list[dict[str, Any]] | None = None) -> Usage:
+    """The usage of a request whose jobs gave `results`: their completion tokens, and the prompt
+    and cached tokens of `prompts` (default: all of them; best_of counts each prompt once)."""
+    prompts = results if prompts is None else prompts
+    return usage(
+        sum(r["prompt_tokens"] for r in prompts),
+        sum(r["completion_tokens"] for r in results),
+        sum(cached_tokens(r) for r in prompts),
     )
 
 

@@ -11,6 +11,7 @@ from webapp import auth, sse
 from webapp.completions import Jobs, current_completions
 from webapp.errors import APIError, error_body, job_error_status
 from webapp.openapi import SSE, SUBMIT_ERRORS, Param, doc
+from webapp.protocol import openai
 from webapp.protocol.jobs import JobCreated, JobRequest, JobView
 from webapp.routes._body import parse
 from webapp.service import current_service
@@ -64,7 +65,8 @@ def stream_job(job_id: str):
     """A job's tokens as server-sent events.
 
     SSE: `token` events `{"index", "text"}`, then `done` `{"text", "finish_reason", "usage"}`
-    (both with `logprobs` for a job that asked for them) or `error`; `restart` when a job
+    (usage: `prompt_tokens`, `completion_tokens`, `cached_tokens`; both with `logprobs` for a
+    job that asked for them) or `error`; `restart` when a job
     started over after its worker died with other tokens than those sent (the new attempt's
     follow from its first). Event ids are token indexes (`attempt:index` after
     a restart); `Last-Event-ID` resumes after one."""
@@ -76,7 +78,9 @@ def stream_job(job_id: str):
         # A job with `logprobs` has them in its events too: those of the event's tokens.
         lp = {"logprobs": ev.logprobs} if ev.logprobs else {}
         if ev.finish:
-            done = {"text": ev.text, "finish_reason": ev.finish, "usage": ev.usage, **lp}
+            # cached_tokens 0 when a worker from before the prefix cache sent none.
+            usage = ev.usage and {**ev.usage, "cached_tokens": openai.cached_tokens(ev.usage)}
+            done = {"text": ev.text, "finish_reason": ev.finish, "usage": usage, **lp}
             return sse.event(done, "done", ev.event_id)
         return sse.event({"index": ev.index, "text": ev.text, **lp}, "token", ev.event_id)
 
