@@ -63,7 +63,11 @@ class EchoEngine(Engine):
             model=self.model,
             logprobs=logprobs(slice(None)),
         )
-        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
+        usage = {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "cached_tokens": 0,
+        }
         events = []
         if spec.stream:
             for i, t in enumerate(tokens):

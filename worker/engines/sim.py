@@ -95,7 +95,11 @@ class SimEngine(Engine):
                 if job.done == len(job.tokens):
                     result = self._result(job, "length")
                     if job.spec.stream:
-                        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
+                        usage = {
+                            "prompt_tokens": result.prompt_tokens,
+                            "completion_tokens": result.completion_tokens,
+                            "cached_tokens": 0,
+                        }
                         events.append((job.spec.id, TokenEvent(job.done, "", finish="length", usage=usage)))
                     resolved.append((job.future, result))
             self._jobs = [j for j in self._jobs if j.done < len(j.tokens)]

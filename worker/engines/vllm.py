@@ -183,7 +183,7 @@ class VLLMEngine(Engine):
             output_kind=self._DELTA,
         )
         self._active += 1
-        peak, index, text, tokens, prompt_tokens = self._active, 0, [], 0, 0
+        peak, index, text, tokens, prompt_tokens, cached = self._active, 0, [], 0, 0, 0
         token_ids, prompt_ids, prompt_lp = [], None, None
         finish, stop_reason, last, last_lp = None, None, "", None
         logprobs, offset = (Logprobs(), 0) if p.logprobs is not None else (None, 0)
@@ -194,6 +194,8 @@ class VLLMEngine(Engine):
                     peak = max(peak, self._active)
                     prompt_tokens = len(out.prompt_token_ids or []) or prompt_tokens
                     prompt_ids = out.prompt_token_ids or prompt_ids
+                    # Its prefix-cache hits: known once the prompt's prefill is scheduled.
+                    cached = out.num_cached_tokens or cached
                     if out.prompt_logprobs is not None and prompt_lp is None:
                         prompt_lp = self._prompt_logprobs(out.prompt_logprobs)
                     completion = out.outputs[0]
@@ -220,6 +222,7 @@ class VLLMEngine(Engine):
                 finish_reason="timeout",
                 prompt_tokens=prompt_tokens,
                 completion_tokens=tokens,
+                cached_tokens=cached,
                 batch_size=peak,
                 model=self.model,
                 logprobs=logprobs,
@@ -244,6 +247,7 @@ class VLLMEngine(Engine):
             finish_reason=reason,
             prompt_tokens=prompt_tokens,
             completion_tokens=tokens,
+            cached_tokens=cached,
             batch_size=peak,
             model=self.model,
             logprobs=logprobs,
@@ -251,7 +255,7 @@ class VLLMEngine(Engine):
             prompt_token_ids=list(prompt_ids or prompt["prompt_token_ids"]) if p.return_token_ids else None,
             token_ids=token_ids if p.return_token_ids else None,
         )
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "cached_tokens": cached}
         final = (
             [(spec.id, TokenEvent(index, last, finish=reason, usage=usage, logprobs=last_lp))] if spec.stream else []
         )
