@@ -382,8 +382,10 @@ class TokenStream:
     that started over on another worker with other tokens than those received (a sampled one,
     or a greedy one whose re-run took other tokens) yields a `Restart`: drop the text so far;
     the new attempt's tokens follow from its first.
-    After the last token: `finish_reason`, `usage`; at any time `text` (the current attempt's
-    text so far), `last_event_id`, `reconnects`, `restarts`. A failed or cancelled job raises
+    After the last token: `finish_reason`, `usage` (`prompt_tokens`, `completion_tokens` and
+    `cached_tokens`, the prompt tokens served from the engine's prefix cache, also the attribute
+    `cached_tokens`); at any time `text` (the current attempt's text so far), `last_event_id`,
+    `reconnects`, `restarts`. A failed or cancelled job raises
     `JobError`/`JobCancelled`. After an exception, iterating again resumes where it stopped.
     `close()` (or `with`) closes the connection."""
 
@@ -399,6 +401,11 @@ class TokenStream:
         self.restarts = 0
         self._connections = 0
         self._gen: Iterator | None = None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens the engine's prefix cache served (None before the last token)."""
+        return None if self.usage is None else self.usage["cached_tokens"]
 
     def __iter__(self) -> TokenStream:
         return self
@@ -461,6 +468,8 @@ class TokenStream:
                         body = json.loads(data)
                         self.last_event_id = event_id
                         self.finish_reason, self.usage = body.get("finish_reason"), body.get("usage")
+                        if self.usage is not None:  # an older server sends no cached_tokens
+                            self.usage.setdefault("cached_tokens", 0)
                         self.done = True
                         if body.get("text"):
                             self.text += body["text"]

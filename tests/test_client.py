@@ -54,6 +54,7 @@ def test_submit_get_wait_complete(echo_stack):
         job = c.wait(job_id, timeout=30)
         assert job["id"] == job_id and job["status"] == "succeeded"
         assert job["result"]["text"] == " three four" == result_text(job)
+        assert job["result"]["cached_tokens"] == 0  # the echo engine has no prefix cache
         assert c.get(job_id)["status"] == "succeeded"
         assert c.complete("alpha beta gamma", max_new_tokens=1) == " gamma"
 
@@ -64,6 +65,7 @@ def test_stream_joins_to_the_result(echo_stack):
         tokens = c.stream(job_id)
         assert list(tokens) == [" c", " d", " e"]
         assert tokens.finish_reason == "length" and tokens.usage["completion_tokens"] == 3
+        assert tokens.usage["cached_tokens"] == tokens.cached_tokens == 0
         assert tokens.text == c.wait(job_id, 30)["result"]["text"]
         assert tokens.reconnects == 0 and tokens.restarts == 0
         # A finished job replays; Last-Event-ID skips what the caller has.
@@ -279,6 +281,7 @@ def test_stream_restart_marker_and_transient_errors():
     assert out[3:] == ["x", "y"]
     assert stream.text == "xy" and stream.restarts == 1 and stream.reconnects == 2
     assert stream.finish_reason == "stop" and stream.done
+    assert stream.usage == {"completion_tokens": 2, "cached_tokens": 0} and stream.cached_tokens == 0  # an older server
     assert seen == [None, "2:0", "2:0"]
 
 
