@@ -86,6 +86,16 @@ class EngineSettings(_Env):
         "that foreground jobs (priority <= 0) reach it while batch lines fill every row (they then "
         "preempt a line); the batch driver leaves half of them free of lines; default: an eighth",
     )
+    prefix_cache_gib: float | None = Field(
+        None,
+        ge=0,
+        description="hf engine: memory for the keys/values of prompts' prefixes kept for later jobs "
+        "(worker/engines/prefix.py), GiB; 0: no prefix caching; default: a tenth of the machine's "
+        "(the GPU's) memory, at most 4",
+    )
+    prefix_block_tokens: int = Field(
+        16, ge=1, le=1024, description="hf engine: the prefix cache's block; prefixes are reused in whole blocks"
+    )
     vllm_enforce_eager: bool = Field(True, description="no graph capture/compilation (CPU: no gain)")
     vllm_kv_cache_gib: int = Field(1, ge=1, description="vLLM's KV cache on CPU, GiB")
     vllm_gpu_memory_utilization: float = Field(

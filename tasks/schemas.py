@@ -331,6 +331,9 @@ class GenerationResult(BaseModel):
     finish_reason: Literal["length", "stop", "eos", "cancelled", "timeout"]
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = Field(
+        0, ge=0, description="prompt tokens whose keys/values came from the engine's prefix cache (not computed)"
+    )
     batch_size: int = Field(description="the largest batch this job was decoded in")
     model: str
     worker: str | None = None

@@ -118,6 +118,7 @@ def test_token_events_add_up_to_the_result(tiny_model, reference):
             assert events[-1].usage == {
                 "prompt_tokens": result.prompt_tokens,
                 "completion_tokens": result.completion_tokens,
+                "cached_tokens": result.cached_tokens,
             }
             assert "".join(e.text for e in events) == result.text
         assert sink.events[specs[1].id][-1].finish == "stop"

@@ -6,7 +6,7 @@ dashboards and alerts written for vLLM read ours. Each worker process serves its
 The numbers come from a few hooks, so that engines and the task stay as they are:
 `job_started` / `job_finished` (the Celery task; they write the job's log lines too),
 `tokens_published` (the publisher: time to first token and inter-token latency as a streaming
-client sees them), `decode_step` and `preempted` (the hf engine). With the exporter off nothing
+client sees them), `decode_step`, `preempted` and `prefix_cache` (the hf engine). With the exporter off nothing
 is observed; the log lines stay. Where each number starts and ends: docs/design.md, "Worker
 metrics".
 """
@@ -193,6 +193,13 @@ class WorkerMetrics:
             "their row up to a foreground job and were taken up again later "
             "(hf engine).",
         )
+        self.prefix_queries = counter(
+            "genq:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache, at each job's first prefill (hf engine).",
+        )
+        self.prefix_hits = counter(
+            "genq:prefix_cache_hits", "Of those, the tokens whose keys/values the prefix cache held (hf engine)."
+        )
         Gauge(
             "genq:engine_device_info",
             "1, labelled with where this worker's engine runs the model (cpu, cuda:N).",
@@ -341,3 +348,11 @@ def preempted(n: int) -> None:
     m = _metrics
     if m is not None and n:
         m.preemptions.inc(n)
+
+
+def prefix_cache(queries: int, hits: int) -> None:
+    """Prompt tokens one step looked up in the prefix cache, and found."""
+    m = _metrics
+    if m is not None and queries:
+        m.prefix_queries.inc(queries)
+        m.prefix_hits.inc(hits)

@@ -26,12 +26,13 @@ from transformers.utils import logging as hf_logging
 from tasks.config import Settings
 from tasks.schemas import GenerationResult, JobSpec, Logprobs
 from worker import metrics
-from worker.engines import arch, packed
+from worker.engines import arch, packed, prefix
 from worker.engines.base import Engine, GenerationError, Sink
 from worker.engines.dtype import resolve as resolve_dtype
 from worker.engines.kvcache import ATTENTION, SlotKV
 from worker.engines.logits import check
 from worker.engines.output import OutputProcessor
+from worker.engines.prefix import PrefixCache
 from worker.engines.runner import ModelRunner
 from worker.engines.scheduler import Scheduler, Seq
 
@@ -59,6 +60,8 @@ class StepStats:
 
     decoded: int = 0  # rows the decode step fed (0: none ran)
     preempted: int = 0
+    queries: int = 0  # prompt tokens looked up in the prefix cache ...
+    hits: int = 0  # ... and found there
 
 
 class HFEngine(Engine):
@@ -89,6 +92,7 @@ class HFEngine(Engine):
         self.eos = self.tok.eos_token_id if self.tok.eos_token_id is not None else cfg.eos_token_id
         self.scheduler = Scheduler(self.capacity, settings.background_step_every)
         self.output = OutputProcessor(self.tok, self.eos, self.model, self.max_model_len)
+        self._prefix_setting = (settings.prefix_cache_gib, settings.prefix_block_tokens)
         self._closed = threading.Event()
         # The model is loaded, checked and run on the engine's thread (`_start`); the engine is
         # ready, or its constructor raises, once that is done.
@@ -199,7 +203,11 @@ class HFEngine(Engine):
             self.lm = lm.to(device).eval()
             arch.probe(self.lm)  # raises for a model it cannot batch exactly
             kv = SlotKV.for_model(cfg, self.lm.dtype, self.capacity, device)
-            self.runner = ModelRunner(self.lm, kv, device, self.eos, tok=self.tok)
+            gib, block = self._prefix_setting
+            budget = prefix.default_budget(device) if gib is None else int(gib * (1 << 30))
+            self.prefix = PrefixCache.for_kv(kv, budget, block) if budget else None
+            log.info("prefix cache: %s", f"{budget / (1 << 30):.2f} GiB" if budget else "off")
+            self.runner = ModelRunner(self.lm, kv, device, self.eos, tok=self.tok, prefix=self.prefix)
             if pack:
                 log.info("linear layers: %s", packed.pack(self.lm))
         except BaseException as exc:  # the constructor raises it; this thread ends
@@ -221,6 +229,7 @@ class HFEngine(Engine):
                     self._fail_batch(plan.admit, GenerationError("engine_error", repr(exc)))
                     continue
                 metrics.preempted(stats.preempted)
+                metrics.prefix_cache(stats.queries, stats.hits)
                 if stats.decoded:
                     metrics.decode_step(stats.decoded)
         for seq in self.scheduler.drain():
@@ -242,7 +251,10 @@ class HFEngine(Engine):
         running = len(self.scheduler.rows)
         if admit or running:
             active = self.scheduler.decode_rows() if running else 0
+            looked = (self.prefix.queries, self.prefix.hits) if self.prefix else (0, 0)
             decoded, joined = self.runner.step(self.scheduler.rows[:active], admit)
+            if self.prefix:
+                stats.queries, stats.hits = self.prefix.queries - looked[0], self.prefix.hits - looked[1]
             self.scheduler.joined(admit)
             for seq in admit:
                 seq.batch_peak = max(seq.batch_peak, active + len(admit))
@@ -272,7 +284,12 @@ class HFEngine(Engine):
             self._keep(keep)
 
     def _keep(self, keep: list[int]) -> None:
-        """Only the rows in `keep` (ascending) stay, foreground ones first."""
+        """Only the rows in `keep` (ascending) stay, foreground ones first; the prefix cache
+        keeps what the others computed."""
+        kept = set(keep)
+        for i, seq in enumerate(self.scheduler.rows):
+            if i not in kept:
+                self.runner.remember(i, seq)
         self.scheduler.reorder(self.runner.select(keep))
         self._partition()
 

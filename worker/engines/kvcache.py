@@ -38,13 +38,13 @@ class _Step:
 
     active: int  # running rows fed (the first ones); their tokens come first
     lo: int  # the joining rows' first row
-    width: int  # the longest joining row's length (0: none joins)
+    width: int  # the longest joining row's length, cached tokens included (0: none joins)
     rows_idx: torch.Tensor | None  # [joining tokens] each joining token's row ...
     cols_idx: torch.Tensor | None  # ... and column in the buffers
     decode_mask: torch.Tensor | None  # [active, 1, 1, window + 1] bool
-    gather: torch.Tensor | None  # [joining, width] flat token index per padded prompt slot
-    valid: torch.Tensor | None  # [joining * width] bool: the slots that hold a token
-    prefill_mask: torch.Tensor | None  # [joining, 1, width, width] bool: causal, padding masked
+    gather: torch.Tensor | None  # [joining, queries] flat token index per padded fed slot
+    valid: torch.Tensor | None  # [joining * queries] bool: the slots that hold a token
+    prefill_mask: torch.Tensor | None  # [joining, 1, queries, width] bool: causal, padding masked
 
 
 class _SlotLayer(DynamicLayer):
@@ -106,7 +106,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         )
         parts.append(out.reshape(r, *q.shape[1:]))
     if step.width:
-        n, w = step.gather.shape
+        n, w = step.gather.shape[0], step.width
         rows = slice(step.lo, step.lo + n)
         cols = slice(kv.end + 1 - w, kv.end + 1)
         out, _ = sdpa_attention_forward(
@@ -117,7 +117,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             step.prefill_mask,
             scaling=scaling,
         )
-        parts.append(out.reshape(n * w, *q.shape[1:])[step.valid])
+        parts.append(out.reshape(-1, *q.shape[1:])[step.valid])
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(0), None
 
@@ -161,16 +161,20 @@ class SlotKV:
 
     # -- a step ------------------------------------------------------------------------
 
-    def begin(self, active: int, lengths: list[int]) -> torch.Tensor:
+    def begin(self, active: int, lengths: list[int], cached: list[int] | None = None) -> torch.Tensor:
         """Prepare a step that feeds one token to each of the first `active` rows (the other
         rows sit it out: their column is masked, as left padding is, so they resume later
-        exactly where they were) and joins new rows of these lengths after all the rows; returns
-        the step's `position_ids` `[1, tokens]` (a running row's: the tokens it has fed so far;
-        a joining row's: from 0). The model's forward must follow on this thread, then
+        exactly where they were) and joins new rows of these lengths after all the rows, of
+        whose tokens the first `cached[j]` are not fed: the caller copies their keys/values into
+        the row's first columns (`placement`) before the forward. Returns the step's
+        `position_ids` `[1, tokens]` (a running row's: the tokens it has fed so far; a joining
+        row's: from its first token fed). The model's forward must follow on this thread, then
         `finish`."""
         if not 0 <= active <= self.rows or not (active or lengths):
             raise ValueError(f"SlotKV.begin: {active} of {self.rows} rows active, {len(lengths)} joining")
+        cached = cached or [0] * len(lengths)
         n, width = len(lengths), max(lengths, default=0)
+        news = [length - c for length, c in zip(lengths, cached)]
         if self.rows == 0:  # an empty batch: the window restarts where it has room on the left
             self.start = self.end = width + 7 if self.mask.shape[1] >= width + 40 else 0
         grow_left = max(0, width - (self.length + 1))
@@ -185,31 +189,43 @@ class SlotKV:
         self.mask[:active, end] = 1
         self.mask[active:lo, end] = 0
         rows, cols = [], []
-        for j, length in enumerate(lengths):
+        for j, (length, new) in enumerate(zip(lengths, news)):
             self.mask[lo + j, self.start : end + 1 - length] = 0
             self.mask[lo + j, end + 1 - length : end + 1] = 1
-            positions.append(torch.arange(length, device=dev))
-            rows.append(torch.full((length,), lo + j, device=dev))
-            cols.append(torch.arange(end + 1 - length, end + 1, device=dev))
+            positions.append(torch.arange(length - new, length, device=dev))
+            rows.append(torch.full((new,), lo + j, device=dev))
+            cols.append(torch.arange(end + 1 - new, end + 1, device=dev))
         step = _Step(active, lo, width, None, None, None, None, None, None)
         if active:
             step.decode_mask = self.mask[:active, self.start : end + 1].bool()[:, None, None, :]
         if n:
             step.rows_idx, step.cols_idx = torch.cat(rows), torch.cat(cols)
-            # Each joining row's tokens, left-padded to `width`, as indices into the flat step.
-            pad = torch.tensor([width - length for length in lengths], device=dev)
-            offsets = torch.tensor([0, *lengths], device=dev).cumsum(0)[:-1] + active
-            slot = torch.arange(width, device=dev)
+            # Each joining row's fed tokens, left-padded to `queries`, as indices into the flat
+            # step; its keys: its columns, left-padded to `width`.
+            queries = max(news)
+            pad = torch.tensor([queries - new for new in news], device=dev)
+            offsets = torch.tensor([0, *news], device=dev).cumsum(0)[:-1] + active
+            slot = torch.arange(queries, device=dev)
             step.valid = (slot[None, :] >= pad[:, None]).reshape(-1)
             step.gather = (offsets[:, None] + slot[None, :] - pad[:, None]).clamp(min=0)
-            if n > 1 or width > lengths[0]:
-                causal = slot[None, :] <= slot[:, None]
-                keys = slot[None, None, :] >= pad[:, None, None]
-                # A padding slot's query attends to itself only (its output is dropped).
-                step.prefill_mask = ((causal & keys) | torch.eye(width, dtype=torch.bool, device=dev))[:, None]
+            if n > 1 or queries < width:
+                key = torch.arange(width, device=dev)
+                at = slot[:, None] + (width - queries)  # each query slot's own key slot
+                causal = key[None, :] <= at
+                keys = (
+                    key[None, None, :]
+                    >= torch.tensor([width - length for length in lengths], device=dev)[:, None, None]
+                )
+                # A padding slot's query attends to its own slot only (its output is dropped).
+                step.prefill_mask = ((causal & keys) | (key[None, :] == at))[:, None]
         self.step = step
         _local.kv = self
         return torch.cat(positions).view(1, -1)
+
+    def placement(self, j: int, length: int) -> tuple[int, int]:
+        """During a step: the row and first column of the step's `j`-th joining row (`length`
+        tokens in all)."""
+        return self.step.lo + j, self.end + 1 - length
 
     def finish(self) -> None:
         """After the step's forward: the new column is in the window, the joining rows are rows."""

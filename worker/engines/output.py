@@ -74,6 +74,7 @@ class OutputProcessor:
             finish_reason=reason,
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.out),
+            cached_tokens=seq.cached,
             batch_size=max(seq.batch_peak, 1),
             model=self.model,
             logprobs=seq.lp,
@@ -108,7 +109,11 @@ class OutputProcessor:
         if text is None:
             text = self._decode(seq, seq.out)
         result = self.result(seq, reason, text)
-        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
+        usage = {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "cached_tokens": result.cached_tokens,
+        }
         self._stream(seq, text[seq.sent :], finish=reason, usage=usage)
         future: Future = seq.future
         self.resolved.append((future, result))

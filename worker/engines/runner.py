@@ -16,14 +16,19 @@ import torch
 
 from worker.engines.kvcache import SlotKV
 from worker.engines.logits import LOGPROB_FLOOR, RowProcessors, logprobs, sample
+from worker.engines.prefix import PrefixCache
 from worker.engines.scheduler import Seq
 
 Step = tuple[list[int], dict]  # each row's token, and {row: (logprob, top)} for the rows that want them
 
 
 class ModelRunner:
-    def __init__(self, lm, kv: SlotKV, device: torch.device, eos: int | None, tok=None):
+    def __init__(
+        self, lm, kv: SlotKV, device: torch.device, eos: int | None, tok=None, prefix: PrefixCache | None = None
+    ):
         self.lm, self.kv, self.device, self.eos, self.tok = lm, kv, device, eos, tok
+        self.prefix = prefix if prefix is not None and prefix.capacity else None
+        self.block = prefix.block if prefix is not None else 0
         # The logits' width (the output layer's; it may exceed the tokenizer's vocabulary).
         head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
         self.vocab = head.weight.shape[0] if head is not None else lm.config.vocab_size
@@ -33,20 +38,27 @@ class ModelRunner:
     def step(self, running: list[Seq], admit: list[Seq]) -> tuple[Step, Step]:
         """One forward for the next token of each of the first `len(running)` rows (`running`:
         their jobs; the other rows sit the step out) and the first token of each admitted job
-        (a preempted one feeds its prompt and the tokens it had), which joins after every row.
-        Returns (the running rows' tokens, the admitted jobs' first tokens)."""
+        (a preempted one feeds its prompt and the tokens it had), which joins after every row:
+        the keys/values of its prefix that the prefix cache holds are copied in, the rest is
+        fed. Returns (the running rows' tokens, the admitted jobs' first tokens)."""
         active, before = len(running), self.kv.rows
         fed = [s.fed for s in admit]
         lengths = [len(f) for f in fed]
-        positions = self.kv.begin(active, lengths)
+        hits = [self._lookup(seq, f) for seq, f in zip(admit, fed)]
+        cached = [len(h) * self.block for h in hits]
+        positions = self.kv.begin(active, lengths, cached)
+        for j, blocks in enumerate(hits):
+            if blocks:
+                self.prefix.fill(self.kv, *self.kv.placement(j, lengths[j]), blocks)
         ids = [self.next[:active, 0]] if active else []
         if fed:
-            ids.append(torch.tensor([t for f in fed for t in f], device=self.device))
+            ids.append(torch.tensor([t for f, c in zip(fed, cached) for t in f[c:]], device=self.device))
         # The logits kept: each running row's, each admitted job's last position's, and every
         # position of a job that wants prompt_logprobs (on its first prefill).
         keep, last, spans = list(range(active)), [], {}
         at = active
         for r, (seq, n) in enumerate(zip(admit, lengths)):
+            n -= cached[r]
             if seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None:
                 spans[r] = len(keep)
                 keep.extend(range(at, at + n))
@@ -62,10 +74,32 @@ class ModelRunner:
             logits_to_keep=torch.tensor(keep, device=self.device),
         )
         self.kv.finish()
+        if self.prefix is not None:
+            for j, (seq, f) in enumerate(zip(admit, fed)):
+                self.prefix.store(self.kv, before + j, f, seq.blocks)
         logits = out.logits[0]
         decoded = self._decoded(running, logits[:active], before) if active else ([], {})
         joined = self._joined(admit, fed, logits, last, spans, before) if admit else ([], {})
         return decoded, joined
+
+    def _lookup(self, seq: Seq, fed: list[int]) -> list[int]:
+        """The prefix cache's blocks for `seq`'s first tokens (none for a job that wants its
+        prompt's logprobs: every position must be computed); a job's first prefill counts in
+        the cache's queries and hits, as vLLM's."""
+        if self.prefix is None or (seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None):
+            return []
+        blocks = self.prefix.match(fed, seq.blocks)
+        if not seq.out:
+            seq.cached = len(blocks) * self.block
+            self.prefix.queries += len(fed)
+            self.prefix.hits += seq.cached
+        return blocks
+
+    def remember(self, row: int, seq: Seq) -> None:
+        """Before `row` leaves the batch: its tokens' keys/values go into the prefix cache."""
+        if self.prefix is not None:
+            count = int(self.kv.mask[row, self.kv.start : self.kv.end].sum())
+            self.prefix.store(self.kv, row, seq.fed[:count], seq.blocks)
 
     def _decoded(self, seqs: list[Seq], raw: torch.Tensor, rows: int) -> Step:
         """The running rows' next tokens; they are fed next."""

@@ -58,6 +58,10 @@ class Seq:
     # With `prompt_logprobs`: per prompt position from the second, (token, its logprob, its
     # rank, the top (token, logprob) there), from the prefill (worker/engines/runner.py).
     prompt_lp: list | None = None
+    # Prompt tokens whose keys/values came from the prefix cache at the first prefill
+    # (worker/engines/prefix.py), reported as usage's cached_tokens.
+    cached: int = 0
+    blocks: list[bytes] = field(default_factory=list)  # the digests of its tokens' full blocks, as named so far
 
     @property
     def fed(self) -> list[int]:
