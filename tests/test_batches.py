@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import openai
@@ -145,6 +146,25 @@ def test_openai_client_end_to_end_matches_single_jobs(bstack):
     assert batch.id in [b.id for b in client.batches.list(limit=100).data]
     meta = client.files.retrieve(batch.output_file_id)
     assert meta.purpose == "batch_output" and meta.bytes == len(client.files.content(meta.id).content)
+
+
+def test_batch_usage_counts_prefix_cache_hits(bstack):
+    """A long prompt sent once, then as two batch lines: each output line's usage has the
+    prefix cache's hits (prompt_tokens_details.cached_tokens > 0), and the batch's
+    usage.input_tokens_details.cached_tokens is their sum."""
+    client = oai(bstack)
+    text = f"[{uuid.uuid4().hex}] " + " ".join(["The quick brown fox jumps over the lazy dog."] * 4)
+    body = {"model": bstack.name, "prompt": text, "max_tokens": 2, "temperature": 0}
+    warm = client.completions.create(**body).usage
+    assert warm.prompt_tokens > 64 and warm.prompt_tokens_details.cached_tokens == 0
+    _, batch = run_batch(bstack, [line(i, body) for i in range(2)])
+    batch = wait_batch(client, batch.id)
+    assert batch.status == "completed", batch
+    usages = [o["response"]["body"]["usage"] for o in read_lines(client, batch.output_file_id)]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert len(cached) == 2 and all(0 < c < warm.prompt_tokens for c in cached)
+    assert batch.usage.input_tokens == 2 * warm.prompt_tokens
+    assert batch.usage.input_tokens_details.cached_tokens == sum(cached)
 
 
 def test_malformed_files_fail_or_error_per_line(bstack):

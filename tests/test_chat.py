@@ -94,7 +94,8 @@ def test_n_choices_logprobs_and_the_stream(client, chat_stack):
     assert [c.index for c in two.choices] == [0, 1] and {c.message.content for c in two.choices} == {plain}
     assert two.usage.completion_tokens == 20
 
-    lp = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw).choices[0].logprobs.content
+    lp_answer = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw)
+    lp = lp_answer.choices[0].logprobs.content
     assert len(lp) == 10 and "".join(t.token for t in lp) == plain
     for t in lp:
         assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
@@ -108,6 +109,11 @@ def test_n_choices_logprobs_and_the_stream(client, chat_stack):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    # The messages' 36 tokens were sent before: their whole 16-token blocks came from the
+    # prefix cache, as for the request before.
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < chunks[-1].usage.prompt_tokens
+    assert cached == lp_answer.usage.prompt_tokens_details.cached_tokens
 
 
 def test_unimplemented_fields_are_refused_by_name(client, chat_stack):

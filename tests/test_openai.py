@@ -4,6 +4,7 @@ models list, errors."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import openai
 import pytest
@@ -198,6 +199,32 @@ def test_penalties_and_stop_token_ids_through_the_api(client, hf_stack):
     assert resp.status_code == 202, resp.text
     result = hf_stack.get(resp.headers["Location"] + "?wait=60").json()["result"]
     assert result["text"] == choice.text
+
+
+def long_prompt() -> str:
+    """About 100 tokens (six whole blocks of the prefix cache's 16) that no request sent before:
+    its first word is new."""
+    return f"[{uuid.uuid4().hex}] " + " ".join(["The quick brown fox jumps over the lazy dog."] * 4)
+
+
+def test_a_repeated_prompt_reports_its_prefix_cache_hits(client, hf_stack):
+    """The same long prompt twice: the first computed all of it (cached_tokens 0), the second
+    took its whole blocks from the prefix cache (0 < cached_tokens < prompt_tokens). A streamed
+    completion's usage chunk, the job API's result and its stream's done event say the same."""
+    kw = dict(model=hf_stack.name, prompt=long_prompt(), max_tokens=4, temperature=0)
+    first = client.completions.create(**kw).usage
+    assert first.prompt_tokens > 64 and first.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(**kw).usage
+    cached = second.prompt_tokens_details.cached_tokens
+    assert second.prompt_tokens == first.prompt_tokens and 0 < cached < second.prompt_tokens
+
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+    job_id = submit(hf_stack, prompt=kw["prompt"], max_new_tokens=4, temperature=0, ignore_eos=True)
+    done = json.loads(stream(hf_stack, job_id)[-1]["data"])
+    assert done["usage"] == {"prompt_tokens": first.prompt_tokens, "completion_tokens": 4, "cached_tokens": cached}
+    assert hf_stack.get(f"/v1/jobs/{job_id}?wait=60").json()["result"]["cached_tokens"] == cached
 
 
 def test_job_api_logprobs_in_result_and_stream(hf_stack):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import uuid
 
 import pytest
 from helpers import joined, sse_events, stream, submit
@@ -49,6 +50,23 @@ def test_streamed_vllm_job(vllm_stack):
     assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 20
     result = vllm_stack.get(f"/v1/jobs/{job_id}?wait=30").json()["result"]
     assert joined(events) == result["text"]
+
+
+def test_vllm_reports_its_prefix_cache_hits(vllm_stack):
+    """vLLM's `num_cached_tokens` as usage.prompt_tokens_details.cached_tokens: the same prompt
+    of about 200 tokens (over one of the CPU build's 128-token blocks) twice, the second's whole
+    blocks from vLLM's prefix cache; the job API's result and stream say the same."""
+    prompt = f"[{uuid.uuid4().hex}] " + " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
+    body = {"model": vllm_stack.name, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    first = vllm_stack.post("/v1/completions", json=body).json()["usage"]
+    assert first["prompt_tokens"] > 128 and first["prompt_tokens_details"] == {"cached_tokens": 0}
+    second = vllm_stack.post("/v1/completions", json=body).json()["usage"]
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert second["prompt_tokens"] == first["prompt_tokens"] and 0 < cached < second["prompt_tokens"]
+    job_id = submit(vllm_stack, prompt=prompt, max_new_tokens=4, temperature=0, ignore_eos=True)
+    done = json.loads(stream(vllm_stack, job_id)[-1]["data"])
+    assert done["usage"] == {"prompt_tokens": first["prompt_tokens"], "completion_tokens": 4, "cached_tokens": cached}
+    assert vllm_stack.get(f"/v1/jobs/{job_id}?wait=60").json()["result"]["cached_tokens"] == cached
 
 
 def test_openai_completions_on_vllm(expected, vllm_stack):
