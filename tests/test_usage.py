@@ -15,6 +15,7 @@ from tasks.streams import TokenEvent
 from webapp.completions import CompletionService, Jobs, Submitted, _ChatRelay, _CompletionRelay
 from webapp.protocol import openai as protocol
 from webapp.protocol.batches import Batch
+from webapp.protocol.jobs import JobView
 
 
 def result(prompt: int, completion: int, cached: int | None = None, logprob: float = -1.0) -> dict:
@@ -150,3 +151,21 @@ def test_the_batch_usage_has_the_cached_input_tokens():
     assert Batch.from_record(rec).usage.input_tokens_details.cached_tokens == 0
     parsed = openai.types.Batch.model_validate(Batch.from_record({**rec, "cached_tokens": "7"}).model_dump(mode="json"))
     assert parsed.usage.input_tokens_details.cached_tokens == 7
+
+
+def test_a_job_result_always_has_cached_tokens():
+    """GET /v1/jobs/{id}: a result from a worker from before the prefix cache says 0."""
+    view = {
+        "id": "j",
+        "model": "m",
+        "status": "succeeded",
+        "attempts": 1,
+        "priority": 0,
+        "deadline": None,
+        "timings": {"created": 1.0, "started": 2.0, "finished": 3.0},
+        "result": result(7, 2),
+    }
+    assert "cached_tokens" not in view["result"]
+    assert JobView.answer(view)["result"]["cached_tokens"] == 0
+    assert JobView.answer({**view, "result": result(40, 2, 32)})["result"]["cached_tokens"] == 32
+    assert "result" not in JobView.answer({k: v for k, v in view.items() if k != "result"})
