@@ -93,6 +93,13 @@ class EngineSettings(_Env):
         "(worker/engines/prefix.py), GiB; 0: no prefix caching; default: a tenth of the machine's "
         "(the GPU's) memory, at most 4",
     )
+    max_prefill_tokens: int = Field(
+        512,
+        ge=0,
+        description="hf engine: prompt tokens one step feeds at most, beside the running jobs' next "
+        "tokens; a longer prompt is prefilled in chunks over several steps (with the prefix cache on), "
+        "so that running streams keep their pace and short jobs do not wait behind it; 0: no bound",
+    )
     prefix_block_tokens: int = Field(
         16, ge=1, le=1024, description="hf engine: the prefix cache's block; prefixes are reused in whole blocks"
     )

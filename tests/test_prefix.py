@@ -220,3 +220,58 @@ def test_eviction_takes_a_prefix_s_later_blocks_first():
     assert len(cache.index) == 3
     cache.store(kv_with_rows([b]), 0, b, [])  # two new blocks: a's last two go
     assert len(cache.match(a + [1], [])) == 1 and len(cache.match(b + [1], [])) == 2
+
+
+# -- chunked prefill -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_chunked_prefill_gives_one_piece_text(name, checkpoints):
+    """With a step budget of 32 prompt tokens, long prompts are prefilled in chunks while a
+    running job decodes and short jobs arrive: every text is generate's, the running job took
+    steps between the chunks, and a short job finished before the long prompts were in."""
+    path = checkpoints[name]
+    ref = Reference(path)
+    eng = engine(path, max_prefill_tokens=32)
+    chunks = []
+    step = eng.runner.step
+
+    def spy(running, admit, partial=()):
+        chunks.append((len(running), [s.chunk for s in partial]))
+        return step(running, admit, partial)
+
+    eng.runner.step = spy
+    try:
+        jobs = [("Hello", 60, eng.submit(spec(0, "Hello", 60, ignore_eos=True)))]
+        wait_rows(eng, 1)
+        longs = [SYSTEM * 2 + q for q in QUESTIONS[:2]]
+        for i, prompt in enumerate(longs, start=1):
+            jobs.append((prompt, 8, eng.submit(spec(i, prompt, 8))))
+        short = eng.submit(spec(9, "1 2 3", 3))
+        jobs[-1][2].result(timeout=120)
+        assert short.done()  # it did not wait for the long prompts' prefill
+        for prompt, n, future in jobs:
+            assert future.result(timeout=120).text == ref(prompt, n), prompt
+        assert short.result(timeout=60).text == ref("1 2 3", 3)
+        cut = [c for _, partial in chunks for c in partial]
+        assert cut and all(c % 16 == 0 for c in cut)
+        assert any(running and partial for running, partial in chunks)  # decode went on beside chunks
+    finally:
+        eng.close()
+
+
+def test_a_cache_too_small_for_the_chunks_prefills_whole(checkpoints):
+    """Chunks live in the prefix cache; where it cannot hold a prompt's, the prompt is
+    prefilled in one piece rather than chunked for ever."""
+    path = checkpoints["opt"]
+    ref = Reference(path)
+    eng = engine(path, prefix_cache_gib=0)
+    cfg = eng.lm.config
+    per_block = 2 * cfg.num_hidden_layers * cfg.hidden_size * 16 * 4
+    eng.close()
+    eng = engine(path, max_prefill_tokens=16, prefix_cache_gib=3 * per_block / (1 << 30))
+    try:
+        prompt = SYSTEM * 2
+        assert eng.submit(spec(0, prompt, 6)).result(timeout=120).text == ref(prompt, 6)
+    finally:
+        eng.close()

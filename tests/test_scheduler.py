@@ -116,3 +116,38 @@ def test_drain_returns_every_job_held():
     run(s, seq("a"), seq("b"))
     s.submit(seq("c"))
     assert sorted(names(s.drain())) == ["a", "b", "c"] and s.rows == []
+
+
+def test_a_step_s_prompt_tokens_stay_in_the_budget_and_the_rest_is_a_chunk():
+    """Jobs that fit are admitted whole, in order; the first that does not gets the budget's
+    rest as a chunk of whole blocks (at least one), and what follows waits."""
+    s = Scheduler(capacity=8, prefill_budget=64, chunk_block=16)
+    long, short, other = seq("long", tokens=200), seq("short", tokens=10), seq("other", tokens=60)
+    plan = run(s, long, short, other)
+    assert names(plan.admit) == ["short"] and names(plan.partial) == ["long"] and long.chunk == 48
+    assert names(s.waiting) == ["other"]
+
+
+def test_a_chunk_continues_from_what_the_cache_holds():
+    held = {"long": 48}
+    s = Scheduler(capacity=8, prefill_budget=32, chunk_block=16, cached=lambda q: held.get(q.spec.id, 0))
+    long = seq("long", tokens=100)
+    long.prefilled = 48
+    assert run(s, long).partial == [long] and long.chunk == 80
+    held["long"], long.prefilled = 80, 80
+    plan = run(s, long)  # 20 tokens left: whole
+    assert plan.admit == [long] and long.chunk is None
+
+
+def test_without_chunks_a_long_prompt_runs_alone_in_its_step():
+    s = Scheduler(capacity=8, prefill_budget=32)
+    a, b = seq("a", tokens=100), seq("b", tokens=100)
+    assert names(run(s, a, b).admit) == ["a"] and names(s.waiting) == ["b"]
+
+
+def test_a_prompt_whose_chunks_the_cache_lost_is_prefilled_whole():
+    s = Scheduler(capacity=8, prefill_budget=32, chunk_block=16, cached=lambda q: 16)
+    long = seq("long", tokens=100)
+    long.prefilled = 64  # its chunks went beyond what the cache holds now
+    plan = run(s, long)
+    assert plan.admit == [long] and not plan.partial

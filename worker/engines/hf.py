@@ -90,7 +90,13 @@ class HFEngine(Engine):
         for note in notes:
             log.info("%s: %s", cfg.model_type, note)
         self.eos = self.tok.eos_token_id if self.tok.eos_token_id is not None else cfg.eos_token_id
-        self.scheduler = Scheduler(self.capacity, settings.background_step_every)
+        self.scheduler = Scheduler(
+            self.capacity,
+            settings.background_step_every,
+            prefill_budget=settings.max_prefill_tokens,
+            chunk_block=settings.prefix_block_tokens if settings.prefix_cache_gib != 0 else 0,
+            cached=lambda seq: self.runner.cached(seq),
+        )
         self.output = OutputProcessor(self.tok, self.eos, self.model, self.max_model_len)
         self._prefix_setting = (settings.prefix_cache_gib, settings.prefix_block_tokens)
         self._closed = threading.Event()
@@ -223,10 +229,10 @@ class HFEngine(Engine):
             while not self._closed.is_set():
                 plan = self.scheduler.take()
                 try:
-                    stats = self.step(plan.preempt, plan.admit)
+                    stats = self.step(plan.preempt, plan.admit, plan.partial)
                 except Exception as exc:  # a failed forward fails its batch, not the worker
                     log.exception("engine step failed")
-                    self._fail_batch(plan.admit, GenerationError("engine_error", repr(exc)))
+                    self._fail_batch(plan.admit + plan.partial, GenerationError("engine_error", repr(exc)))
                     continue
                 metrics.preempted(stats.preempted)
                 metrics.prefix_cache(stats.queries, stats.hits)
@@ -236,23 +242,28 @@ class HFEngine(Engine):
             if not seq.future.done():
                 seq.future.set_exception(GenerationError("engine_closed", "the worker stopped"))
 
-    def step(self, preempt: list[int], admit: list[Seq]) -> StepStats:
+    def step(self, preempt: list[int], admit: list[Seq], partial: list[Seq] = ()) -> StepStats:
         """schedule -> execute -> update: take out the preempted rows and the jobs that leave,
         then one forward that decodes the running rows and prefills the admitted jobs, which
-        join the batch (their first tokens go out at once)."""
+        join the batch (their first tokens go out at once), and a chunk of the `partial` jobs'
+        prompts, which wait again for their next chunk."""
         stats = StepStats(preempted=len(preempt))
         if preempt:
             self._keep([i for i in range(len(self.scheduler.rows)) if i not in set(preempt)])
-        gone, keep = self.scheduler.reap(admit)
+        partial = list(partial)
+        gone, keep = self.scheduler.reap(admit, partial)
         for seq, why in gone:
             self.output.fail(seq, why)
         if keep is not None:
             self._keep(keep)
         running = len(self.scheduler.rows)
-        if admit or running:
+        if admit or running or partial:
             active = self.scheduler.decode_rows() if running else 0
             looked = (self.prefix.queries, self.prefix.hits) if self.prefix else (0, 0)
-            decoded, joined = self.runner.step(self.scheduler.rows[:active], admit)
+            decoded, joined = self.runner.step(self.scheduler.rows[:active], admit, partial)
+            for seq in partial:
+                seq.prefilled, seq.chunk = seq.chunk, None
+            self.scheduler.waiting[:0] = partial
             if self.prefix:
                 stats.queries, stats.hits = self.prefix.queries - looked[0], self.prefix.hits - looked[1]
             self.scheduler.joined(admit)

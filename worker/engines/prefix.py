@@ -67,16 +67,30 @@ class PrefixCache:
     def match(self, tokens: list[int], names: list[bytes]) -> list[int]:
         """The pool blocks of `tokens`' longest cached prefix, leaving at least one token to feed
         (its logits are the next token's); they become the most recently used."""
-        limit = (len(tokens) - 1) // self.block
-        digests(tokens[: limit * self.block], self.block, names)
         found = []
-        for name in names[:limit]:
+        for name in names[: self._named(tokens, names)]:
             at = self.index.get(name)
             if at is None:
                 break
             found.append(at)
         self._touch(names[: len(found)])
         return found
+
+    def peek(self, tokens: list[int], names: list[bytes]) -> int:
+        """How many blocks `match` would find now (nothing is touched)."""
+        count = 0
+        for name in names[: self._named(tokens, names)]:
+            if name not in self.index:
+                break
+            count += 1
+        return count
+
+    def _named(self, tokens: list[int], names: list[bytes]) -> int:
+        """The blocks a match may use (not the last token's), named in `names`."""
+        limit = (len(tokens) - 1) // self.block
+        if len(names) < limit:
+            digests(tokens[: limit * self.block], self.block, names)
+        return limit
 
     def fill(self, kv: SlotKV, row: int, col: int, blocks: list[int]) -> None:
         """Copy `blocks` into `row`'s columns from `col` on."""

@@ -35,16 +35,18 @@ class ModelRunner:
         self.next: torch.Tensor | None = None  # [rows, 1] each row's newest token, fed next
         self.procs: RowProcessors | None = None  # in step with the rows; None while none needs any
 
-    def step(self, running: list[Seq], admit: list[Seq]) -> tuple[Step, Step]:
+    def step(self, running: list[Seq], admit: list[Seq], partial: list[Seq] = ()) -> tuple[Step, Step]:
         """One forward for the next token of each of the first `len(running)` rows (`running`:
         their jobs; the other rows sit the step out) and the first token of each admitted job
         (a preempted one feeds its prompt and the tokens it had), which joins after every row:
         the keys/values of its prefix that the prefix cache holds are copied in, the rest is
-        fed. Returns (the running rows' tokens, the admitted jobs' first tokens)."""
+        fed. The `partial` jobs feed their tokens up to `Seq.chunk` only, into the prefix cache,
+        and do not join. Returns (the running rows' tokens, the admitted jobs' first tokens)."""
         active, before = len(running), self.kv.rows
-        fed = [s.fed for s in admit]
+        joining = [*admit, *partial]
+        fed = [s.fed for s in admit] + [s.fed[: s.chunk] for s in partial]
         lengths = [len(f) for f in fed]
-        hits = [self._lookup(seq, f) for seq, f in zip(admit, fed)]
+        hits = [self._lookup(seq, f) for seq, f in zip(joining, fed)]
         cached = [len(h) * self.block for h in hits]
         positions = self.kv.begin(active, lengths, cached)
         for j, blocks in enumerate(hits):
@@ -57,7 +59,7 @@ class ModelRunner:
         # position of a job that wants prompt_logprobs (on its first prefill).
         keep, last, spans = list(range(active)), [], {}
         at = active
-        for r, (seq, n) in enumerate(zip(admit, lengths)):
+        for r, (seq, n) in enumerate(zip(joining, lengths)):
             n -= cached[r]
             if seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None:
                 spans[r] = len(keep)
@@ -75,11 +77,13 @@ class ModelRunner:
         )
         self.kv.finish()
         if self.prefix is not None:
-            for j, (seq, f) in enumerate(zip(admit, fed)):
+            for j, (seq, f) in enumerate(zip(joining, fed)):
                 self.prefix.store(self.kv, before + j, f, seq.blocks)
+        if partial:  # their rows (the last ones) leave; their chunks are in the cache
+            self.kv.select(list(range(before + len(admit))))
         logits = out.logits[0]
         decoded = self._decoded(running, logits[:active], before) if active else ([], {})
-        joined = self._joined(admit, fed, logits, last, spans, before) if admit else ([], {})
+        joined = self._joined(admit, fed[: len(admit)], logits, last, spans, before) if admit else ([], {})
         return decoded, joined
 
     def _lookup(self, seq: Seq, fed: list[int]) -> list[int]:
@@ -89,11 +93,17 @@ class ModelRunner:
         if self.prefix is None or (seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None):
             return []
         blocks = self.prefix.match(fed, seq.blocks)
-        if not seq.out:
-            seq.cached = len(blocks) * self.block
-            self.prefix.queries += len(fed)
+        if not seq.looked:
+            seq.looked, seq.cached = True, len(blocks) * self.block
+            self.prefix.queries += len(seq.prompt_ids)
             self.prefix.hits += seq.cached
         return blocks
+
+    def cached(self, seq: Seq) -> int:
+        """How many of `seq`'s tokens the prefix cache holds now, as a prefill would use them."""
+        if self.prefix is None or (seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None):
+            return 0
+        return self.prefix.peek(seq.fed, seq.blocks) * self.block
 
     def remember(self, row: int, seq: Seq) -> None:
         """Before `row` leaves the batch: its tokens' keys/values go into the prefix cache."""

@@ -61,7 +61,12 @@ class Seq:
     # Prompt tokens whose keys/values came from the prefix cache at the first prefill
     # (worker/engines/prefix.py), reported as usage's cached_tokens.
     cached: int = 0
+    looked: bool = False  # the prefix cache was asked for it (its first prefill)
     blocks: list[bytes] = field(default_factory=list)  # the digests of its tokens' full blocks, as named so far
+    # Chunked prefill: this step feeds its tokens up to `chunk` only (None: all of them, and it
+    # joins the batch); `prefilled`: how many its earlier chunks left in the prefix cache.
+    chunk: int | None = None
+    prefilled: int = 0
 
     @property
     def fed(self) -> list[int]:
@@ -78,17 +83,31 @@ class Seq:
 @dataclass
 class Admission:
     """What `Scheduler.take` decided: rows to take out first (preempted, ascending), then jobs
-    to prefill and join."""
+    to prefill and join, then jobs of which this step prefills a chunk only (`Seq.chunk`; they
+    wait again after it)."""
 
     preempt: list[int] = field(default_factory=list)
     admit: list[Seq] = field(default_factory=list)
+    partial: list[Seq] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, capacity: int, background_every: int = 4, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        capacity: int,
+        background_every: int = 4,
+        clock: Callable[[], float] = time.monotonic,
+        prefill_budget: int = 0,
+        chunk_block: int = 0,
+        cached: Callable[[Seq], int] = lambda seq: 0,
+    ):
         self.capacity = capacity
         self.background_every = background_every
         self.clock = clock
+        # Prompt tokens one step may feed (0: no bound), and the block a chunk is a multiple of
+        # (0: prompts are never cut; a job whose prompt exceeds the budget then runs alone in
+        # the budget of its step). `cached(seq)`: its tokens the prefix cache holds.
+        self.prefill_budget, self.chunk_block, self.cached = prefill_budget, chunk_block, cached
         self.rows: list[Seq] = []  # the running batch, in the KV cache's row order
         self.fg = 0  # foreground rows: the first `fg`
         self.waiting: list[Seq] = []  # taken from the inbox, no row yet (preempted ones first)
@@ -142,13 +161,39 @@ class Scheduler:
             pending[:0] = [self.rows[i] for i in plan.preempt]
             self.preemptions += len(plan.preempt)
             room += len(plan.preempt)
-        for seq in sorted(pending, key=lambda s: s.background):
-            if room > 0:
+        self._admit(plan, sorted(pending, key=lambda s: s.background), room)
+        return plan
+
+    def _admit(self, plan: Admission, pending: list[Seq], room: int) -> None:
+        """Admit in order while rows are free and the step's prompt tokens stay in the budget;
+        then the first job that did not fit gets the budget's rest as a chunk (at least one
+        block), so that short jobs never wait behind a long prompt's prefill, nor it forever."""
+        budget = self.prefill_budget or float("inf")
+        spent, over = 0, []
+        for seq in pending:
+            seq.chunk = None
+            have = self.cached(seq) if self.prefill_budget else 0
+            need = len(seq.fed) - have
+            # Whole where it fits; where nothing else is admitted, whole also when it cannot be
+            # cut: prompts are not cut, or the cache lost the chunks it prefilled (too small).
+            whole = not plan.admit and (not self.chunk_block or have < seq.prefilled)
+            if room > 0 and (spent + need <= budget or whole):
                 plan.admit.append(seq)
                 room -= 1
+                spent += need
             else:
-                self.waiting.append(seq)
-        return plan
+                over.append(seq)
+        for seq in over:
+            cut = self.chunk_block and seq.spec.params.prompt_logprobs is None and self.cached(seq) >= seq.prefilled
+            if room > 0 and not plan.partial and cut:
+                block = self.chunk_block
+                done = self.cached(seq) // block * block
+                seq.chunk = done + max(block, (budget - spent) // block * block)
+                if seq.chunk < len(seq.fed):
+                    plan.partial.append(seq)
+                    continue
+                seq.chunk = None
+            self.waiting.append(seq)
 
     def _victims(self, n: int) -> list[int]:
         """Up to `n` background rows, those cheapest to take up again (fewest tokens)."""
@@ -156,10 +201,10 @@ class Scheduler:
         cost = lambda i: len(self.rows[i].prompt_ids) + len(self.rows[i].out)  # noqa: E731
         return sorted(sorted(rows, key=cost)[:n])
 
-    def reap(self, new: list[Seq]) -> tuple[list[tuple[Seq, str]], list[int] | None]:
+    def reap(self, new: list[Seq], partial: list[Seq] | None = None) -> tuple[list[tuple[Seq, str]], list[int] | None]:
         """Cancelled jobs and jobs past their deadline, running, waiting or just admitted
-        (`new` loses them): (each with "cancelled" or "timeout", the rows to keep, or None
-        when every row stays)."""
+        (`new` and `partial` lose them): (each with "cancelled" or "timeout", the rows to keep,
+        or None when every row stays)."""
         with self._cancel_lock:
             cancelled, self._cancelled = self._cancelled, set()
         now = self.clock()
@@ -172,6 +217,8 @@ class Scheduler:
             return why is not None
 
         new[:] = [s for s in new if not leaves(s)]
+        if partial is not None:
+            partial[:] = [s for s in partial if not leaves(s)]
         self.waiting = [s for s in self.waiting if not leaves(s)]
         keep = [i for i, s in enumerate(self.rows) if not leaves(s)]
         return gone, keep if len(keep) < len(self.rows) else None
