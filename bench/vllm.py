@@ -191,6 +191,8 @@ def start_ours(kind: str, dtype: str, procs: Processes, model_dir: Path, args, o
         env["VLLM_CPU_KVCACHE_SPACE"] = KV_CACHE_GIB
     if kind == "hf" and args.torch_threads is not None:
         env["GENQ_TORCH_THREADS"] = str(args.torch_threads)
+    if kind == "hf":
+        env.update(getattr(args, "hf_env", None) or {})  # e.g. bench.prefix's --hf-env
     st = Stack(procs, db.url, model_dir, kind, label, MAX_NUM_SEQS, **env)
 
     def stop() -> None:
@@ -258,6 +260,7 @@ def start_server(dtype: str, procs: Processes, model_dir: Path, args, outdir: Pa
         str(port),
         "--disable-log-stats",
         "--disable-uvicorn-access-log",
+        *getattr(args, "server_args", ()),  # e.g. bench.prefix's --enable-prompt-tokens-details
     ]
     t0 = time.monotonic()
     server = procs.start(label, argv, {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "HF_HUB_OFFLINE": "1"})
