@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, Cache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -94,16 +95,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
     parts = []
     if step.active:
-        r = step.active
-        window = slice(kv.start, kv.end + 1)
-        out, _ = sdpa_attention_forward(
-            module,
-            q[:r].unsqueeze(2),
-            key[:r, :, window],
-            value[:r, :, window],
-            step.decode_mask,
-            scaling=scaling,
-        )
+        # Each running row's query heads as the "positions" of its key/value head's group: a
+        # grouped-query model's keys/values are read as they are, not repeated per query head.
+        r, window = step.active, slice(kv.start, kv.end + 1)
+        k, v = key[:r, :, window], value[:r, :, window]
+        grouped = q[:r].reshape(r, k.shape[1], -1, q.shape[-1])
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=step.decode_mask, scale=scaling)
         parts.append(out.reshape(r, *q.shape[1:]))
     if step.width:
         n, w = step.gather.shape[0], step.width
