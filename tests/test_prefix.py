@@ -275,3 +275,19 @@ def test_a_cache_too_small_for_the_chunks_prefills_whole(checkpoints):
         assert eng.submit(spec(0, prompt, 6)).result(timeout=120).text == ref(prompt, 6)
     finally:
         eng.close()
+
+
+def test_siblings_sent_together_compute_their_prompt_once(checkpoints):
+    """`n` > 1 / `best_of` siblings (and a burst of one prompt) arrive together: one computes
+    the prompt, the others find it cached a step later; texts stay generate's."""
+    path = checkpoints["llama"]
+    ref = Reference(path)
+    eng = engine(path)
+    try:
+        prompt = SYSTEM + "Tell me about tea."
+        results = [f.result(timeout=120) for f in [eng.submit(spec(i, prompt, 8)) for i in range(3)]]
+        assert [r.text for r in results] == [ref(prompt, 8)] * 3
+        assert results[0].cached_tokens == 0
+        assert all(r.cached_tokens >= r.prompt_tokens - 16 for r in results[1:])
+    finally:
+        eng.close()

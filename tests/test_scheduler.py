@@ -151,3 +151,14 @@ def test_a_prompt_whose_chunks_the_cache_lost_is_prefilled_whole():
     long.prefilled = 64  # its chunks went beyond what the cache holds now
     plan = run(s, long)
     assert plan.admit == [long] and not plan.partial
+
+
+def test_jobs_that_lack_the_same_block_are_prefilled_one_step_apart():
+    """`n`/`best_of` siblings and bursts of one system prompt: one job computes the shared
+    blocks, the others wait a step and find them cached; other prompts are not held."""
+    first = {"a": "sys", "b": "sys", "c": "other", "d": None, "e": None}
+    s = Scheduler(capacity=8, missing=lambda q: first[q.spec.id])
+    a, b, c, d, e = (seq(n, tokens=40) for n in "abcde")
+    assert names(run(s, a, b, c, d, e).admit) == ["a", "c", "d", "e"] and names(s.waiting) == ["b"]
+    first["b"] = None  # a's blocks are in the cache now
+    assert names(run(s).admit) == ["b"]

@@ -96,6 +96,7 @@ class HFEngine(Engine):
             prefill_budget=settings.max_prefill_tokens,
             chunk_block=settings.prefix_block_tokens if settings.prefix_cache_gib != 0 else 0,
             cached=lambda seq: self.runner.cached(seq),
+            missing=lambda seq: self.runner.missing(seq),
         )
         self.output = OutputProcessor(self.tok, self.eos, self.model, self.max_model_len)
         self._prefix_setting = (settings.prefix_cache_gib, settings.prefix_block_tokens)

@@ -99,6 +99,15 @@ class ModelRunner:
             self.prefix.hits += seq.cached
         return blocks
 
+    def missing(self, seq: Seq) -> bytes | None:
+        """The name of the first block of `seq`'s tokens that the prefix cache could give but
+        lacks (None: it lacks none, or the job would not use it)."""
+        if self.prefix is None or (seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None):
+            return None
+        fed = seq.fed
+        found = self.prefix.peek(fed, seq.blocks)
+        return seq.blocks[found] if found < (len(fed) - 1) // self.block else None
+
     def cached(self, seq: Seq) -> int:
         """How many of `seq`'s tokens the prefix cache holds now, as a prefill would use them."""
         if self.prefix is None or (seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +100,7 @@ class Scheduler:
         prefill_budget: int = 0,
         chunk_block: int = 0,
         cached: Callable[[Seq], int] = lambda seq: 0,
+        missing: Callable[[Seq], Hashable | None] = lambda seq: None,
     ):
         self.capacity = capacity
         self.background_every = background_every
@@ -108,6 +109,10 @@ class Scheduler:
         # (0: prompts are never cut; a job whose prompt exceeds the budget then runs alone in
         # the budget of its step). `cached(seq)`: its tokens the prefix cache holds.
         self.prefill_budget, self.chunk_block, self.cached = prefill_budget, chunk_block, cached
+        # `missing(seq)`: the first block of its prompt the cache lacks (None: none it could
+        # use); of jobs that lack the same block, one step prefills one (`n`/`best_of` siblings,
+        # a burst of the same system prompt) and the others find it cached a step later.
+        self.missing = missing
         self.rows: list[Seq] = []  # the running batch, in the KV cache's row order
         self.fg = 0  # foreground rows: the first `fg`
         self.waiting: list[Seq] = []  # taken from the inbox, no row yet (preempted ones first)
@@ -169,9 +174,13 @@ class Scheduler:
         then the first job that did not fit gets the budget's rest as a chunk (at least one
         block), so that short jobs never wait behind a long prompt's prefill, nor it forever."""
         budget = self.prefill_budget or float("inf")
-        spent, over = 0, []
+        spent, over, computing = 0, [], set()
         for seq in pending:
             seq.chunk = None
+            block = self.missing(seq)
+            if block is not None and block in computing:
+                self.waiting.append(seq)
+                continue
             have = self.cached(seq) if self.prefill_budget else 0
             need = len(seq.fed) - have
             # Whole where it fits; where nothing else is admitted, whole also when it cannot be
@@ -181,6 +190,7 @@ class Scheduler:
                 plan.admit.append(seq)
                 room -= 1
                 spent += need
+                computing.add(block)
             else:
                 over.append(seq)
         for seq in over:
@@ -191,6 +201,7 @@ class Scheduler:
                 seq.chunk = done + max(block, (budget - spent) // block * block)
                 if seq.chunk < len(seq.fed):
                     plan.partial.append(seq)
+                    computing.add(self.missing(seq))
                     continue
                 seq.chunk = None
             self.waiting.append(seq)
