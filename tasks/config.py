@@ -100,6 +100,13 @@ class EngineSettings(_Env):
         "tokens; a longer prompt is prefilled in chunks over several steps (with the prefix cache on), "
         "so that running streams keep their pace and short jobs do not wait behind it; 0: no bound",
     )
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        description="hf engine: memory for the running batch's keys/values; a job whose row could "
+        "take the batch past it (its prompt and max_new_tokens counted) waits for rows to leave; "
+        "default: a quarter of the machine's (the GPU's) memory",
+    )
     prefix_block_tokens: int = Field(
         16, ge=1, le=1024, description="hf engine: the prefix cache's block; prefixes are reused in whole blocks"
     )

@@ -291,3 +291,33 @@ def test_siblings_sent_together_compute_their_prompt_once(checkpoints):
         assert all(r.cached_tokens >= r.prompt_tokens - 16 for r in results[1:])
     finally:
         eng.close()
+
+
+def test_the_batch_s_keys_values_stay_in_their_budget(checkpoints):
+    """A KV budget for about two long rows: long jobs run two at a time, short ones beside
+    them, the buffers never grow past the budget, and every text is generate's."""
+    path = checkpoints["gpt2"]
+    ref = Reference(path)
+    eng = engine(path, prefix_cache_gib=0)
+    column = eng.runner.kv.column_bytes
+    eng.close()
+    eng = engine(path, kv_cache_gib=2 * 2 * 200 * column / (1 << 30))
+    peak = []
+    step = eng.runner.step
+
+    def spy(running, admit, partial=()):
+        out = step(running, admit, partial)
+        kv = eng.runner.kv
+        peak.append((kv.rows, kv.mask.shape[0] * kv.mask.shape[1]))
+        return out
+
+    eng.runner.step = spy
+    try:
+        prompts = [q * 3 + SYSTEM for q in QUESTIONS[:4]]
+        futures = [(p, eng.submit(spec(i, p, 40))) for i, p in enumerate(prompts)]
+        for prompt, future in futures:
+            assert future.result(timeout=120).text == ref(prompt, 40), prompt
+        assert max(rows for rows, _ in peak) == 2
+        assert max(size for _, size in peak) <= eng.runner.kv.max_columns
+    finally:
+        eng.close()

@@ -162,3 +162,14 @@ def test_jobs_that_lack_the_same_block_are_prefilled_one_step_apart():
     assert names(run(s, a, b, c, d, e).admit) == ["a", "c", "d", "e"] and names(s.waiting) == ["b"]
     first["b"] = None  # a's blocks are in the cache now
     assert names(run(s).admit) == ["b"]
+
+
+def test_jobs_wait_while_their_rows_could_take_the_kv_cache_past_its_budget():
+    """rows x twice the longest a row may grow stays within `kv_columns`; one job alone always
+    runs; jobs that fit are not held behind one that does not."""
+    s = Scheduler(capacity=8, kv_columns=2 * 3 * 48)  # three rows of 40 + 8 tokens
+    jobs = [seq(f"j{i}", tokens=40) for i in range(4)]  # max_new 8: 48 each
+    assert names(run(s, *jobs).admit) == ["j0", "j1", "j2"] and names(s.waiting) == ["j3"]
+    huge = Scheduler(capacity=8, kv_columns=10)
+    assert names(run(huge, seq("big", tokens=100)).admit) == ["big"]
+    assert names(run(huge, seq("next", tokens=1)).admit) == []

@@ -99,7 +99,7 @@ class HFEngine(Engine):
             missing=lambda seq: self.runner.missing(seq),
         )
         self.output = OutputProcessor(self.tok, self.eos, self.model, self.max_model_len)
-        self._prefix_setting = (settings.prefix_cache_gib, settings.prefix_block_tokens)
+        self._prefix_setting = (settings.prefix_cache_gib, settings.prefix_block_tokens, settings.kv_cache_gib)
         self._closed = threading.Event()
         # The model is loaded, checked and run on the engine's thread (`_start`); the engine is
         # ready, or its constructor raises, once that is done.
@@ -209,8 +209,11 @@ class HFEngine(Engine):
             lm = AutoModelForCausalLM.from_pretrained(model, config=cfg, dtype=dtype, attn_implementation=ATTENTION)
             self.lm = lm.to(device).eval()
             arch.probe(self.lm)  # raises for a model it cannot batch exactly
-            kv = SlotKV.for_model(cfg, self.lm.dtype, self.capacity, device)
-            gib, block = self._prefix_setting
+            gib, block, kv_gib = self._prefix_setting
+            kv_budget = int((kv_gib if kv_gib is not None else prefix.memory(device) / 4 / (1 << 30)) * (1 << 30))
+            kv = SlotKV.for_model(cfg, self.lm.dtype, self.capacity, device, budget=kv_budget)
+            self.scheduler.kv_columns = kv.max_columns
+            log.info("the batch's KV cache: at most %.2f GiB", kv_budget / (1 << 30))
             budget = prefix.default_budget(device) if gib is None else int(gib * (1 << 30))
             self.prefix = PrefixCache.for_kv(kv, budget, block) if budget else None
             log.info("prefix cache: %s", f"{budget / (1 << 30):.2f} GiB" if budget else "off")

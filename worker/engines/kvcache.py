@@ -131,8 +131,10 @@ class SlotKV:
         dtype: torch.dtype,
         max_rows: int,
         device: torch.device | str = "cpu",
+        max_columns: int = 0,
     ):
         self.shape = (layers, heads, head_dim)
+        self.max_columns = max_columns  # rows x columns allocated ahead of need at most (0: no bound)
         self.device = torch.device(device)
         self.dtype, self.max_rows = dtype, max(1, max_rows)
         self.rows = self.start = self.end = 0
@@ -143,11 +145,22 @@ class SlotKV:
         self.cache = Cache(layers=[_SlotLayer(self, i) for i in range(layers)])
 
     @classmethod
-    def for_model(cls, config, dtype: torch.dtype, max_rows: int, device: torch.device | str = "cpu") -> SlotKV:
-        """Buffers shaped for `config`'s layers, key/value heads and head size."""
+    def for_model(
+        cls, config, dtype: torch.dtype, max_rows: int, device: torch.device | str = "cpu", budget: int = 0
+    ) -> SlotKV:
+        """Buffers shaped for `config`'s layers, key/value heads and head size; `budget`: bytes
+        the buffers may take (0: no bound), as `max_columns`."""
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.num_hidden_layers, heads, head_dim, dtype, max_rows, device)
+        kv = cls(config.num_hidden_layers, heads, head_dim, dtype, max_rows, device)
+        kv.max_columns = budget // kv.column_bytes
+        return kv
+
+    @property
+    def column_bytes(self) -> int:
+        """The bytes one row's column takes in every layer's keys and values."""
+        layers, heads, head_dim = self.shape
+        return 2 * layers * heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def length(self) -> int:
@@ -291,9 +304,10 @@ class SlotKV:
         """New buffers with room for `rows` rows, `left` free columns before the window and
         `right` after it; the window's contents move over."""
         layers, heads, head_dim = self.shape
-        cap_rows = max(rows, min(self.max_rows, 2 * self.mask.shape[0]), 1)
         length = self.length
         cols = left + length + max(right, length)
+        room = self.max_columns // cols if self.max_columns else self.max_rows
+        cap_rows = max(rows, min(self.max_rows, 2 * self.mask.shape[0], room), 1)
         new = dict(dtype=self.dtype, device=self.device)
         k = [torch.zeros((cap_rows, heads, cols, head_dim), **new) for _ in range(layers)]
         v = [torch.zeros((cap_rows, heads, cols, head_dim), **new) for _ in range(layers)]

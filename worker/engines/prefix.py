@@ -28,13 +28,16 @@ DEFAULT_CAP = 4 << 30
 DEFAULT_SHARE = 0.1
 
 
+def memory(device: torch.device) -> int:
+    """The bytes of memory the device has (the machine's, for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def default_budget(device: torch.device) -> int:
     """Bytes for the cache when none is set: a tenth of the device's memory, at most 4 GiB."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(min(DEFAULT_CAP, total * DEFAULT_SHARE))
+    return int(min(DEFAULT_CAP, memory(device) * DEFAULT_SHARE))
 
 
 def digests(tokens: list[int], block: int, have: list[bytes]) -> list[bytes]:

@@ -74,6 +74,11 @@ class Seq:
         return self.prompt_ids + self.out
 
     @property
+    def longest(self) -> int:
+        """The most tokens its row may hold: its prompt and every token it may generate."""
+        return len(self.prompt_ids) + self.max_new
+
+    @property
     def holdback(self) -> int:
         """Characters kept back from the stream: they may turn out to begin a stop string."""
         stops = self.spec.params.stop
@@ -101,6 +106,7 @@ class Scheduler:
         chunk_block: int = 0,
         cached: Callable[[Seq], int] = lambda seq: 0,
         missing: Callable[[Seq], Hashable | None] = lambda seq: None,
+        kv_columns: int = 0,
     ):
         self.capacity = capacity
         self.background_every = background_every
@@ -113,6 +119,12 @@ class Scheduler:
         # use); of jobs that lack the same block, one step prefills one (`n`/`best_of` siblings,
         # a burst of the same system prompt) and the others find it cached a step later.
         self.missing = missing
+        # The batch's KV cache holds rows x columns, the columns up to twice the longest row
+        # (worker/engines/kvcache.py); `kv_columns` (0: no bound) bounds rows x twice the
+        # longest a row may grow (its prompt and every token it may generate), so that what
+        # arrives never takes the worker past its memory: a job that would waits for rows to
+        # leave (one alone always runs).
+        self.kv_columns = kv_columns
         self.rows: list[Seq] = []  # the running batch, in the KV cache's row order
         self.fg = 0  # foreground rows: the first `fg`
         self.waiting: list[Seq] = []  # taken from the inbox, no row yet (preempted ones first)
@@ -175,10 +187,13 @@ class Scheduler:
         block), so that short jobs never wait behind a long prompt's prefill, nor it forever."""
         budget = self.prefill_budget or float("inf")
         spent, over, computing = 0, [], set()
+        rows, longest = len(self.rows), max((s.longest for s in self.rows), default=0)
         for seq in pending:
             seq.chunk = None
             block = self.missing(seq)
-            if block is not None and block in computing:
+            grown = max(longest, seq.longest)
+            fits = not self.kv_columns or not rows or (rows + 1) * 2 * grown <= self.kv_columns
+            if not fits or (block is not None and block in computing):
                 self.waiting.append(seq)
                 continue
             have = self.cached(seq) if self.prefill_budget else 0
@@ -191,6 +206,7 @@ class Scheduler:
                 room -= 1
                 spent += need
                 computing.add(block)
+                rows, longest = rows + 1, grown
             else:
                 over.append(seq)
         for seq in over:
