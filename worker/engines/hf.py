@@ -99,7 +99,7 @@ class HFEngine(Engine):
             missing=lambda seq: self.runner.missing(seq),
         )
         self.output = OutputProcessor(self.tok, self.eos, self.model, self.max_model_len)
-        self._prefix_setting = (settings.prefix_cache_gib, settings.prefix_block_tokens, settings.kv_cache_gib)
+        self._cache_settings = (settings.prefix_cache_gib, settings.prefix_block_tokens, settings.kv_cache_gib)
         self._closed = threading.Event()
         # The model is loaded, checked and run on the engine's thread (`_start`); the engine is
         # ready, or its constructor raises, once that is done.
@@ -209,7 +209,7 @@ class HFEngine(Engine):
             lm = AutoModelForCausalLM.from_pretrained(model, config=cfg, dtype=dtype, attn_implementation=ATTENTION)
             self.lm = lm.to(device).eval()
             arch.probe(self.lm)  # raises for a model it cannot batch exactly
-            gib, block, kv_gib = self._prefix_setting
+            gib, block, kv_gib = self._cache_settings
             kv_budget = int((kv_gib if kv_gib is not None else prefix.memory(device) / 4 / (1 << 30)) * (1 << 30))
             kv = SlotKV.for_model(cfg, self.lm.dtype, self.capacity, device, budget=kv_budget)
             self.scheduler.kv_columns = kv.max_columns
