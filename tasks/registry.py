@@ -16,6 +16,15 @@ from pydantic import BaseModel, Field
 from tasks import keys
 
 
+class TokenBound(BaseModel):
+    """How many tokens a worker's tokenizer can make of a text, at most: `per_byte` tokens per
+    UTF-8 byte plus `extra` (its special tokens and prefixes), read from the tokenizer's
+    structure (worker/tokenbound.py). None: no bound is known, a worker counts every prompt."""
+
+    per_byte: int | None = Field(None, ge=1)
+    extra: int = Field(0, ge=0)
+
+
 class WorkerInfo(BaseModel):
     name: str
     model: str
@@ -28,6 +37,11 @@ class WorkerInfo(BaseModel):
     pid: int
     started: float
     max_model_len: int | None = None
+    token_bound: TokenBound | None = Field(
+        None,
+        description="its tokenizer's bound on a prompt's tokens, by which the API checks prompts against "
+        "max_model_len at submit (webapp/context.py); None: it counts no prompts (no tokenizer, or an older worker)",
+    )
     chat_template: bool = Field(False, description="it has a chat template (/v1/chat/completions)")
     device: str = Field("cpu", description="where its engine runs the model: cpu, cuda:N")
     metrics_port: int | None = Field(None, description="its Prometheus exporter's port (worker/metrics.py)")

@@ -7,7 +7,7 @@ special tokens (BOS and the like), so the engines tokenize a chat prompt without
 again (`add_special_tokens=False`, as vLLM does). `GENQ_CHAT_TEMPLATE` (a Jinja file) is the
 template of a model that has none, and replaces the model's own where both exist (as vLLM's
 `--chat-template`). The API's `/tokenize` and `/detokenize` are answered here too (the
-`genq.tokenize` task, worker/tasks.py).
+`genq.tokenize` task, worker/tasks.py), and its count of a prompt's tokens at submit (`count`).
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ class Chat:
         try:
             if req["op"] == "detokenize":
                 return self._detokenize(req["tokens"])
+            if req["op"] == "count":
+                return self._count(req)
             return self._tokenize(req)
         except GenerationError as exc:
             return {"error": {"code": exc.code, "message": exc.message}}
@@ -81,6 +83,17 @@ class Chat:
         body: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         body["token_strs"] = self.tok.convert_ids_to_tokens(ids) if req.get("return_token_strs") else None
         return body
+
+    def _count(self, req: dict) -> dict:
+        """How many tokens each of `prompts` is, or the conversation `chat` rendered, as the
+        engines tokenize a job's prompt (`add_special_tokens`; before any truncation): for the
+        API's check against the context at submit (webapp/context.py)."""
+        if req.get("chat") is not None:
+            texts = [self.render(ChatOptions.model_validate(req["chat"]))]
+        else:
+            texts = req["prompts"]
+        ids = self.tok(texts, add_special_tokens=req["add_special_tokens"]).input_ids
+        return {"counts": [len(i) for i in ids], "max_model_len": self.max_model_len}
 
     def _detokenize(self, tokens: list[int]) -> dict:
         size = len(self.tok)
