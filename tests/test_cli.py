@@ -132,9 +132,13 @@ def test_connection_error_exits_3():
 
 def test_failed_job_exits_1(hf_stack):
     for how in ("--wait", "--stream"):
-        out = genq("--url", hf_stack.base, "submit", "word " * 600, how)
+        # A token id outside the tiny model's vocabulary: the job fails on its worker.
+        out = genq("--url", hf_stack.base, "submit", "Hello", "--param", 'logit_bias={"999999": 1}', how)
         assert out.returncode == 1, (how, out.stderr)
-        assert "prompt_too_long" in out.stderr
+        assert "invalid_request" in out.stderr and "logit_bias" in out.stderr
+    # A prompt past the model's context is refused at submit: nothing to wait for.
+    out = genq("--url", hf_stack.base, "submit", "word " * 600, "--wait")
+    assert out.returncode == 2 and "prompt_too_long" in out.stderr, out.stderr
 
 
 # -- genq batch against the fake Batch API ------------------------------------------------

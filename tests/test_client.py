@@ -225,14 +225,15 @@ def test_stream_resumes_after_dropped_connections(hf_stack):
 
 def test_stream_of_a_failing_job_raises(hf_stack):
     with Client(hf_stack.base) as c:
-        job_id = c.submit("word " * 600)
+        # A token id outside the tiny model's vocabulary: only its worker can tell.
+        job_id = c.submit("Hello", logit_bias={"999999": 1.0})
         with pytest.raises(JobError) as exc:
             list(c.stream(job_id))
         assert not isinstance(exc.value, JobCancelled)
-        assert exc.value.code == "prompt_too_long" and exc.value.status == 400 and exc.value.job_id == job_id
+        assert exc.value.code == "invalid_request" and exc.value.status == 400 and exc.value.job_id == job_id
         job = c.wait(job_id, 30)
         assert job["status"] == "failed"
-        with pytest.raises(JobError, match="prompt"):
+        with pytest.raises(JobError, match="logit_bias"):
             result_text(job)
 
 

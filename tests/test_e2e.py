@@ -97,12 +97,13 @@ def test_stop_string_ends_the_completion(hf_stack, reference):
 
 
 def test_prompt_longer_than_the_model_allows(hf_stack):
+    """Refused at submit, queued nowhere (tests/test_context.py); the engine's own check stays
+    behind it (tests/test_engine.py)."""
     prompt = "word " * 600  # the tiny model's context is 512 tokens
-    job = run_job(hf_stack, {"prompt": prompt})
-    assert job["status"] == "failed"
-    assert job["error"]["code"] == "prompt_too_long"
-    resp = hf_stack.post("/basic_generate", json={"prompt": prompt})
-    assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long"
+    for path in ("/v1/jobs", "/basic_generate"):
+        resp = hf_stack.post(path, json={"prompt": prompt})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long", resp.text
+        assert "maximum context length is 512 tokens" in resp.json()["error"]["message"]
     # The worker is unharmed.
     assert run_job(hf_stack, {"prompt": "Hello", "max_new_tokens": 3})["status"] == "succeeded"
 

@@ -80,13 +80,17 @@ def outcome(metered):
         "/generate", json={"prompts": [PROMPT] * BLOCKING, "max_new_tokens": TOKENS, "ignore_eos": True}
     )
     assert resp.status_code == 200, resp.text
-    # vLLM's finish reasons: a stop string is `stop`, a prompt the model cannot take an `error`.
+    # vLLM's finish reasons: a stop string is `stop`, a job the model cannot take an `error`.
     text = metered.get(f"/v1/jobs/{ids[0]}").json()["result"]["text"]
     stop = text.strip()[len(text.strip()) // 2 :][:2]
     resp = metered.post(
         "/generate", json={"prompts": [PROMPT], "max_new_tokens": TOKENS, "ignore_eos": True, "stop": [stop]}
     )
     assert resp.status_code == 200 and stop not in resp.json()["generated_texts"][0][len(PROMPT) :], resp.text
+    # A token id outside the vocabulary: only the worker can tell (a failed job, counted there).
+    resp = metered.post("/basic_generate", json={"prompt": "word", "max_new_tokens": 4, "logit_bias": {"999999": 1}})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", resp.text
+    # A prompt past the context: refused by the API, never queued.
     resp = metered.post("/basic_generate", json={"prompt": "word " * 600, "max_new_tokens": 4})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long", resp.text
     refused = metered.post("/generate_vllm", json={"prompts": [PROMPT]})
@@ -138,7 +142,7 @@ def test_worker_counts_add_up(metered, outcome):
     assert summed("genq:request_success_total", finished_reason="stop") == 1
     assert summed("genq:request_success_total", finished_reason="error") == 1
     assert summed("genq:request_success_total", finished_reason="abort") == 0
-    assert summed("genq:request_failure_total") == summed("genq:request_failure_total", reason="prompt_too_long") == 1
+    assert summed("genq:request_failure_total") == summed("genq:request_failure_total", reason="invalid_request") == 1
     # The stopped job succeeded too, with fewer tokens.
     assert jobs * TOKENS < summed("genq:generation_tokens_total") <= (jobs + 1) * TOKENS
     assert summed("genq:request_generation_tokens_sum") == summed("genq:generation_tokens_total")

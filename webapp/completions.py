@@ -11,6 +11,7 @@ parse and call it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,12 +21,14 @@ from flask import Response, current_app, request
 from pydantic import BaseModel
 
 from tasks.schemas import NO_CHAT_TEMPLATE, ChatOptions, SamplingParams
-from webapp import sse
+from webapp import context, metrics, sse, tokens
 from webapp.auth import ApiKey
 from webapp.errors import APIError, error_body, job_error_status
 from webapp.protocol import openai
 from webapp.protocol.jobs import Scheduling, split_request
 from webapp.service import JobService
+
+log = logging.getLogger(__name__)
 
 Api = Literal["completions", "chat", "teaching", "jobs"]
 
@@ -146,6 +149,7 @@ class CompletionService:
         params = s.key_limits(every, req.params, owner)
         if req.best_of and params.logprobs is None:  # `best` ranks them by their tokens' logprobs
             params = params.model_copy(update={"logprobs": 0})
+        self.check_context(req, params, model)
         ids = s.enqueue(
             req.prompts,
             params,
@@ -157,6 +161,54 @@ class CompletionService:
             chat=req.chat,
         )
         return Submitted(req, ids, model, created)
+
+    def check_context(self, req: Jobs, params: SamplingParams, model: str) -> None:
+        """400 `prompt_too_long` (vLLM's error), before anything is queued, for a prompt that
+        with its completion does not fit the model's context as its live workers announce it
+        (webapp/context.py). A prompt that surely fits by its tokenizer's bound costs nothing
+        more; the others, and a conversation (rendered by the worker's template), are counted
+        by a worker in one round trip. Without a context to check against, or when no worker
+        answers, the job goes on to the worker's own check."""
+        ctx = context.context_of(self.jobs.workers_for(model))
+        if ctx is None:
+            return
+        max_new = params.max_new_tokens or self.jobs.settings.default_max_new_tokens
+        truncate = params.truncate_prompt_tokens
+        field = "prompt" if req.chat is None else "messages"
+        unsure: list[str] = []
+        if req.chat is None:
+            for p in req.prompts:
+                ok = context.surely_fits(p, max_new, ctx, truncate)
+                if ok is False:  # token ids: counted already
+                    raise context.too_long(
+                        ctx.max_model_len, context.kept(len(p), truncate, ctx.max_model_len), max_new, field
+                    )
+                if ok is None:
+                    unsure.append(p)
+            if not unsure:
+                return
+        for n in self._count(req, params, model, list(dict.fromkeys(unsure))):
+            n = context.kept(n, truncate, ctx.max_model_len)
+            if not context.fits(n, max_new, ctx.max_model_len):
+                raise context.too_long(ctx.max_model_len, n, max_new, field)
+
+    def _count(self, req: Jobs, params: SamplingParams, model: str, texts: list[str]) -> list[int]:
+        """The tokens of `texts` (or of the request's conversation) as a worker of `model`
+        tokenizes a job's prompt; none when no worker could say (no live one, or none answered)."""
+        add = params.add_special_tokens if params.add_special_tokens is not None else req.chat is None
+        ask: dict[str, Any] = {"op": "count", "add_special_tokens": add}
+        if req.chat is not None:
+            ask["chat"] = req.chat.model_dump(mode="json")
+        else:
+            ask["prompts"] = texts
+        metrics.prompts_counted(model)
+        try:
+            return tokens.ask(self.jobs, model, ask)["counts"]
+        except APIError as exc:
+            if exc.code not in ("no_worker", "timeout"):
+                raise
+            log.warning("prompt tokens not counted before queueing (%s): %s", exc.code, exc.message)
+            return []
 
     def require_chat_template(self, model: str) -> None:
         """400 at once when the model's live workers have no chat template (with no live

@@ -92,12 +92,25 @@ class ApiMetrics:
             ["status", "reason"],
             registry=registry,
         )
+        self.counted = Counter(
+            "genq:api_prompts_counted",
+            "Requests whose prompt tokens a worker counted before they were queued (their bound did not "
+            "surely fit the model's context, or a conversation), per model.",
+            ["model_name"],
+            registry=registry,
+        )
         self.open_streams = Gauge(
             "genq:api_open_streams", "Token streams being sent (SSE).", multiprocess_mode="livesum", registry=registry
         )
 
 
 _m: ApiMetrics | None = None
+
+
+def prompts_counted(model: str) -> None:
+    """A request's prompts go to a worker to be counted (webapp/completions.py)."""
+    if _m is not None:
+        _m.counted.labels(model).inc()
 
 
 def _stamp(sender=None, headers=None, **_) -> None:

@@ -1,0 +1,471 @@
+"""A prompt past the model's context is refused at submit (400 `prompt_too_long`, vLLM's error,
+naming the limit) on every submitting route, and nothing is queued: the workers announce their
+context and their tokenizer's bound on a text's tokens (worker/tokenbound.py), the API decides
+by that bound whether a prompt surely fits (webapp/context.py) and has a worker count it only
+when it cannot tell. The bound itself, on synthetic tokenizers of each kind and on the real
+ones; then the whole stack with the tiny model (context 512)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import openai
+import pytest
+import redis
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from tasks import keys
+from tasks.registry import Registry, TokenBound, WorkerInfo
+from webapp import context
+from worker import tokenbound
+from worker.tokenbound import Unbounded, analyse
+
+CONTEXT = 512  # the tiny model's
+TEMPLATE = "tests/chat_template.jinja"
+
+
+# -- the API's decision (webapp/context.py) ----------------------------------------------------
+
+
+def worker(max_model_len=CONTEXT, per_byte=1, extra=1, bound=True, **kw) -> WorkerInfo:
+    return WorkerInfo(
+        name=kw.get("name", "w"),
+        model="m",
+        engine="hf",
+        capacity=8,
+        host="h",
+        pid=1,
+        started=0.0,
+        max_model_len=max_model_len,
+        token_bound=TokenBound(per_byte=per_byte, extra=extra) if bound else None,
+    )
+
+
+def test_the_context_of_a_models_workers():
+    ctx = context.context_of([worker(), worker(max_model_len=384, per_byte=3, extra=0)])
+    assert ctx.max_model_len == 384 and (ctx.bound.per_byte, ctx.bound.extra) == (3, 1)
+    # One worker without a bound: every text is counted.
+    assert context.context_of([worker(), worker(per_byte=None)]).bound.per_byte is None
+    # No check at submit without workers, or beside one that announces no context or counts
+    # nothing (no tokenizer, an older worker).
+    assert context.context_of([]) is None
+    assert context.context_of([worker(), worker(max_model_len=None)]) is None
+    assert context.context_of([worker(), worker(bound=False)]) is None
+
+
+def test_upper_bounds_and_what_surely_fits():
+    ctx = context.Context(CONTEXT, TokenBound(per_byte=1, extra=2))
+    assert context.upper_bound("héllo", ctx.bound) == 6 + 2
+    assert context.upper_bound("\ud800", ctx.bound) == 3 + 2  # a lone surrogate, as sent in JSON
+    assert context.upper_bound([1, 2, 3], ctx.bound) == 3  # token ids: exact
+    assert context.upper_bound("x", TokenBound(per_byte=None)) is None
+    # A text: fits by its bound, or only counting can tell (never "surely not").
+    assert context.surely_fits("x" * 494, 16, ctx) is True  # 494 + 2 + 16 = 512
+    assert context.surely_fits("x" * 495, 16, ctx) is None
+    assert context.surely_fits("x" * 10, 16, context.Context(CONTEXT, TokenBound(per_byte=None))) is None
+    # Token ids: exactly.
+    assert context.surely_fits([7] * 496, 16, ctx) is True
+    assert context.surely_fits([7] * 497, 16, ctx) is False
+    # truncate_prompt_tokens keeps the last k (-1: the context), as the engines do.
+    assert context.surely_fits([7] * 900, 16, ctx, truncate=100) is True
+    assert context.surely_fits("x" * 5000, 16, ctx, truncate=496) is True
+    assert context.surely_fits([7] * 900, 16, ctx, truncate=-1) is False
+    assert context.kept(900, -1, CONTEXT) == CONTEXT and context.kept(900, None, CONTEXT) == 900
+    assert context.fits(496, 16, CONTEXT) and not context.fits(497, 16, CONTEXT)
+
+
+def test_the_error_is_vllms_and_names_the_field_to_shorten():
+    err = context.too_long(CONTEXT, 600, 16, "prompt")
+    assert (err.status, err.code, err.param) == (400, "prompt_too_long", "prompt")
+    assert err.message == (
+        "This model's maximum context length is 512 tokens. However, you requested 616 tokens "
+        "(600 in the messages, 16 in the completion). Please reduce the length of the messages or completion."
+    )
+    assert context.too_long(CONTEXT, 512, 1, "messages").param == "messages"  # no room for one token
+    assert context.too_long(CONTEXT, 500, 16, "messages").param == "max_new_tokens"  # the completion's fault
+
+
+# -- the worker's bound (worker/tokenbound.py) -------------------------------------------------
+
+VOCAB = {chr(c) for c in range(ord("a"), ord("z") + 1)} | {"▁"}
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+LLAMA2_NORMALIZER = {
+    "type": "Sequence",
+    "normalizers": [
+        {"type": "Prepend", "prepend": "▁"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+    ],
+}
+ADDED = [{"content": c, "normalized": False, "special": True} for c in ("<s>", "</s>", "<unk>")]
+
+
+def spec(normalizer=None, pre_tokenizer=None, model="BPE", byte_fallback=False, added=ADDED) -> dict:
+    return {
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "model": {"type": model, "byte_fallback": byte_fallback},
+        "added_tokens": added,
+    }
+
+
+def bound(s: dict, specials: int = 1) -> tuple[int, int]:
+    return analyse(s, VOCAB.__contains__, specials)
+
+
+def test_bounds_of_each_kind_of_tokenizer():
+    # Byte-level BPE (GPT-2, OPT, Llama 3, SmolLM2): a byte per token at least.
+    assert bound(spec(pre_tokenizer=BYTE_LEVEL)) == (1, 1)
+    assert bound(spec(pre_tokenizer=BYTE_LEVEL), specials=0) == (1, 0)
+    # ... with a space before the text (one more), and NFC first (Qwen2: 3 bytes of one).
+    assert bound(spec(pre_tokenizer={**BYTE_LEVEL, "add_prefix_space": True})) == (1, 2)
+    split = {"type": "Split", "pattern": {"Regex": r"\s+"}, "behavior": "Isolated", "invert": False}
+    qwen2 = spec({"type": "NFC"}, {"type": "Sequence", "pretokenizers": [split, {**BYTE_LEVEL, "use_regex": False}]})
+    assert bound(qwen2) == (3, 1)
+    assert bound(spec({"type": "NFKC"}, BYTE_LEVEL)) == (11, 1)
+    # SentencePiece BPE with byte fallback (Llama 2, Mistral): "▁" before the text, spaces as "▁".
+    assert bound(spec(LLAMA2_NORMALIZER, byte_fallback=True)) == (1, 2)
+    metaspace = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}
+    assert bound(spec(None, metaspace, model="Unigram", byte_fallback=True)) == (1, 2)
+    assert bound(spec(None, {**metaspace, "prepend_scheme": "never"}, byte_fallback=True)) == (1, 1)
+    # A "▁" outside the vocabulary is three byte tokens for one space.
+    meta_x = {**metaspace, "replacement": "\u2581\u2581"}
+    assert bound(spec(None, meta_x, byte_fallback=True, added=[])) == (2, 3)
+    assert bound(spec(None, meta_x, byte_fallback=False, added=[])) == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "why, s",
+    [
+        ("a normalizer that can lengthen text", spec({"type": "Lowercase"}, BYTE_LEVEL)),
+        ("an opaque normalizer", spec({"type": "Precompiled", "precompiled_charsmap": "..."}, BYTE_LEVEL)),
+        ("a regex replacement", spec({"type": "Replace", "pattern": {"Regex": "a"}, "content": "bbbb"}, BYTE_LEVEL)),
+        ("another model", spec(pre_tokenizer=BYTE_LEVEL, model="Mystery")),
+        (
+            "a prefix per piece",
+            spec(
+                pre_tokenizer={
+                    "type": "Sequence",
+                    "pretokenizers": [{"type": "Whitespace"}, {**BYTE_LEVEL, "add_prefix_space": True}],
+                }
+            ),
+        ),
+        (
+            "an added token too short for a segment's prefix",
+            spec(LLAMA2_NORMALIZER, added=[{"content": "x", "normalized": False}]),
+        ),
+        (
+            "an added token matched after normalization",
+            spec(LLAMA2_NORMALIZER, added=[{"content": "<s>", "normalized": True}]),
+        ),
+    ],
+)
+def test_what_has_no_bound(why, s):
+    with pytest.raises(Unbounded):
+        bound(s)
+
+
+def sentencepiece(space_in_vocab=True, metaspace=False, nfc=False, lowercase=False):
+    """A Llama-2-like tokenizer: BPE over characters with byte fallback."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for piece in [*"abcdefghijklmnopqrstuvwxyz", *(["▁", "▁a", "▁t"] if space_in_vocab else []), "th", "the"]:
+        vocab[piece] = len(vocab)
+    merges = [("t", "h"), ("th", "e")] + ([("▁", "a"), ("▁", "t")] if space_in_vocab else [])
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    first = [normalizers.NFC()] if nfc else [normalizers.Lowercase()] if lowercase else []
+    if metaspace:
+        t.normalizer = normalizers.Sequence(first) if first else None
+        t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=False)
+    else:
+        t.normalizer = normalizers.Sequence([*first, normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.add_special_tokens([AddedToken(c, normalized=False, special=True) for c in ("<unk>", "<s>", "</s>")])
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def random_texts(n: int, seed: int = 0) -> list[str]:
+    """Texts of what makes tokenizers emit many tokens: spaces, added tokens, characters
+    normalization lengthens, characters outside any vocabulary."""
+    rng = random.Random(seed)
+    pool = [" ", "  ", "▁", "<s>", "</s>", "the ", "a", "é", "\u0958", "\U0001d160", "\ufdfa", "图", "🤗", "\n", "ﬃ"]
+
+    def one() -> str:
+        return "".join(
+            rng.choice(pool)
+            if rng.random() < 0.7
+            else chr(rng.choice([rng.randrange(32, 0xD800), rng.randrange(0xE000, 0x30000)]))
+            for _ in range(rng.randrange(1, 48))
+        )
+
+    return [one() for _ in range(n)]
+
+
+def assert_bound_holds(tok, b: TokenBound, texts: list[str]) -> None:
+    for text in texts:
+        n = len(tok(text).input_ids)
+        assert n <= b.per_byte * len(text.encode()) + b.extra, (text, n, b)
+
+
+@pytest.mark.parametrize(
+    "kind, make, expected",
+    [
+        ("sentencepiece", lambda: sentencepiece(), (1, 2)),
+        ("metaspace", lambda: sentencepiece(metaspace=True), (1, 2)),
+        ("sentencepiece with NFC", lambda: sentencepiece(nfc=True), (3, 2)),
+        ("metaspace with NFC", lambda: sentencepiece(metaspace=True, nfc=True), (3, 2)),
+        # "▁" outside the vocabulary: three tokens for a space, and "<s>" too short to pay for
+        # the next segment's: no bound.
+        ("no ▁ in the vocabulary", lambda: sentencepiece(space_in_vocab=False), None),
+        ("lowercase", lambda: sentencepiece(lowercase=True), None),
+    ],
+)
+def test_the_bound_holds_on_sentencepiece_tokenizers(kind, make, expected):
+    tok = make()
+    b = tokenbound.bound_of(tok)
+    assert (None if b.per_byte is None else (b.per_byte, b.extra)) == expected, kind
+    if b.per_byte is not None:
+        assert_bound_holds(tok, b, random_texts(2000))
+
+
+@pytest.fixture(scope="module")
+def dev_tokenizers(tiny_model):
+    from transformers import AutoTokenizer
+
+    from worker import devmodels
+
+    root = tiny_model.parent
+    paths = {"opt": tiny_model, "qwen2": devmodels.ensure("tiny", root / "tiny-qwen2", arch="qwen2")}
+    return {arch: AutoTokenizer.from_pretrained(p) for arch, p in paths.items()}
+
+
+def test_the_bound_holds_on_the_dev_models_tokenizers(dev_tokenizers):
+    """Byte-level BPE: OPT's (a BOS before the text) and Qwen2's (NFC first: 3 per byte)."""
+    opt, qwen2 = dev_tokenizers["opt"], dev_tokenizers["qwen2"]
+    assert tokenbound.bound_of(opt) == TokenBound(per_byte=1, extra=1)
+    assert tokenbound.bound_of(qwen2) == TokenBound(per_byte=3, extra=1)
+    texts = random_texts(2000, seed=1)
+    assert_bound_holds(opt, TokenBound(per_byte=1, extra=1), texts)
+    assert_bound_holds(qwen2, TokenBound(per_byte=3, extra=1), texts)
+    # The bound is tight where it matters: one token per byte of text no merge covers.
+    worst = max(len(opt(t).input_ids) - len(t.encode()) for t in texts)
+    assert worst == 1
+
+
+def test_a_bound_broken_on_the_probes_is_not_announced(dev_tokenizers, monkeypatch):
+    monkeypatch.setattr(tokenbound, "analyse", lambda *a: (1, 0))  # one token short of OPT's BOS
+    assert tokenbound.bound_of(dev_tokenizers["opt"]) == TokenBound(per_byte=None)
+
+
+# -- the whole stack -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cstack(make_module_stack):
+    from scripts.stack import ROOT
+
+    s = make_module_stack(GENQ_CHAT_TEMPLATE=str(ROOT / TEMPLATE), GENQ_MAX_BATCH_SIZE="8")
+    s.start_api()
+    s.start_worker()
+    s.wait_ready()
+    return s
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def r(redis_url):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def client(cstack):
+    with openai.OpenAI(base_url=cstack.base + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def exactly(count, n: int) -> str:
+    """A text that `count` makes exactly n tokens of (words, then a few characters to adjust)."""
+    for k in range(max(1, n // 2 - 8), n):
+        for tail in ("", ".", "..", " x", " x."):
+            text = "word" + " word" * (k - 1) + tail
+            if count(text) == n:
+                return text
+    raise AssertionError(f"no text of {n} tokens")
+
+
+class Watch:
+    """What the API queued and counted meanwhile: its /metrics, and the model's job records."""
+
+    def __init__(self, stack, r):
+        self.stack, self.r = stack, r
+        self.before = self.now()
+
+    def now(self) -> tuple[float, float, int]:
+        text = self.stack.get("/metrics").text
+        samples = {
+            s.name: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.labels.get("model_name") == self.stack.name
+        }
+        records = sum(
+            1 for k in self.r.scan_iter(keys.job("*"), count=1000) if self.r.hget(k, "model") == self.stack.name
+        )
+        return (
+            samples.get("genq:api_jobs_submitted_total", 0.0),
+            samples.get("genq:api_prompts_counted_total", 0.0),
+            records,
+        )
+
+    def since(self) -> tuple[int, int, int]:
+        """Jobs queued, requests counted by a worker, job records made, since it began."""
+        now = self.now()
+        return tuple(int(a - b) for a, b in zip(now, self.before))
+
+
+def assert_too_long(resp, prompt_tokens: int, max_new: int, param: str) -> None:
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "prompt_too_long" and err["param"] == param, err
+    assert err["message"] == (
+        f"This model's maximum context length is {CONTEXT} tokens. However, you requested "
+        f"{prompt_tokens + max_new} tokens ({prompt_tokens} in the messages, {max_new} in the completion). "
+        "Please reduce the length of the messages or completion."
+    )
+
+
+def test_the_worker_announces_its_context_and_bound(cstack, r):
+    (w,) = [w for w in Registry(r, 30).live() if w.model == cstack.name]
+    assert w.max_model_len == CONTEXT and w.token_bound == TokenBound(per_byte=1, extra=1)
+
+
+def test_jobs_api(cstack, r, tok):
+    def count(text):
+        return len(tok(text).input_ids)
+
+    watch = Watch(cstack, r)
+    # Past the context with its completion: refused at submit, nothing queued.
+    over = exactly(count, CONTEXT - 16 + 1)
+    assert_too_long(
+        cstack.post("/v1/jobs", json={"prompt": over, "max_new_tokens": 16}), CONTEXT - 15, 16, "max_new_tokens"
+    )
+    alone = "word " * 600
+    assert_too_long(cstack.post("/v1/jobs", json={"prompt": alone, "max_new_tokens": 4}), count(alone), 4, "prompt")
+    assert_too_long(
+        cstack.post("/basic_generate", json={"prompt": alone, "max_new_tokens": 4}), count(alone), 4, "prompt"
+    )
+    assert watch.since() == (0, 3, 0)
+    # Just fits: queued, and the job runs to the context's end.
+    under = exactly(count, CONTEXT - 16)
+    resp = cstack.post("/v1/jobs", json={"prompt": under, "max_new_tokens": 16, "ignore_eos": True})
+    assert resp.status_code == 202, resp.text
+    job = cstack.get(f"/v1/jobs/{resp.json()['id']}?wait=60").json()
+    assert job["status"] == "succeeded", job
+    assert job["result"]["prompt_tokens"] == CONTEXT - 16 and job["result"]["completion_tokens"] == 16
+    assert watch.since() == (1, 4, 1)
+
+
+def test_a_short_prompt_is_not_counted(cstack, r):
+    """The common case costs nothing: a prompt whose bytes (+ BOS) and completion fit."""
+    watch = Watch(cstack, r)
+    resp = cstack.post("/v1/jobs", json={"prompt": "Hello, my name is", "max_new_tokens": 4})
+    assert resp.status_code == 202
+    resp = cstack.post("/v1/completions", json={"prompt": ["Hello", "x" * (CONTEXT - 17)], "max_tokens": 16})
+    assert resp.status_code == 200, resp.text
+    assert watch.since()[:2] == (3, 0)
+
+
+def test_completions(cstack, client, r, tok):
+    def count(text):
+        return len(tok(text).input_ids)
+
+    watch = Watch(cstack, r)
+    over = exactly(count, CONTEXT)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=cstack.name, prompt=over, max_tokens=4)
+    assert info.value.code == "prompt_too_long" and info.value.body["param"] == "prompt"
+    assert f"maximum context length is {CONTEXT} tokens" in info.value.body["message"]
+    body = {"model": cstack.name, "prompt": ["Hello", exactly(count, CONTEXT - 9)], "max_tokens": 10}
+    assert_too_long(cstack.post("/v1/completions", json=body), CONTEXT - 9, 10, "max_tokens")
+    assert_too_long(cstack.post("/v1/completions", json={**body, "stream": True}), CONTEXT - 9, 10, "max_tokens")
+    assert watch.since() == (0, 3, 0)
+    # Token ids are counted as they are: no worker asked.
+    ids = tok(over).input_ids
+    resp = cstack.post("/v1/completions", json={"prompt": ids[: CONTEXT - 9], "max_tokens": 10})
+    assert_too_long(resp, CONTEXT - 9, 10, "max_tokens")
+    resp = cstack.post("/v1/completions", json={"prompt": [ids[:5], ids * 2], "max_tokens": 10})
+    assert_too_long(resp, 2 * CONTEXT, 10, "prompt")
+    assert watch.since() == (0, 3, 0)
+    # truncate_prompt_tokens keeps the prompt's end: then it fits, as vLLM takes it.
+    resp = cstack.post("/v1/completions", json={"prompt": ids * 2, "max_tokens": 10, "truncate_prompt_tokens": 100})
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == 100, resp.text
+    # Just under the limit, as text and as token ids.
+    resp = cstack.post("/v1/completions", json={"prompt": exactly(count, CONTEXT - 10), "max_tokens": 10})
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == CONTEXT - 10, resp.text
+    resp = cstack.post("/v1/completions", json={"prompt": ids[: CONTEXT - 10], "max_tokens": 10})
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == CONTEXT - 10, resp.text
+    assert watch.since() == (3, 4, 3)
+
+
+def test_chat_completions(cstack, client, r, tok):
+    """A conversation's prompt is the worker's template over it: the worker counts it."""
+    from scripts.stack import ROOT
+
+    template = (ROOT / TEMPLATE).read_text()
+
+    def count(content):
+        messages = [{"role": "user", "content": content}]
+        text = tok.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+        return len(tok(text, add_special_tokens=False).input_ids)
+
+    watch = Watch(cstack, r)
+    over = exactly(count, CONTEXT - 7)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=cstack.name, messages=[{"role": "user", "content": over}], max_tokens=8)
+    assert info.value.code == "prompt_too_long" and info.value.body["param"] == "max_tokens"
+    body = {"messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 8}
+    resp = cstack.post("/v1/chat/completions", json=body)
+    assert_too_long(resp, count("word " * 600), 8, "messages")
+    assert_too_long(
+        cstack.post("/v1/chat/completions", json={**body, "stream": True}), count("word " * 600), 8, "messages"
+    )
+    assert watch.since() == (0, 3, 0)
+    under = exactly(count, CONTEXT - 8)
+    out = client.chat.completions.create(model=cstack.name, messages=[{"role": "user", "content": under}], max_tokens=8)
+    assert out.usage.prompt_tokens == CONTEXT - 8
+    out = client.chat.completions.create(model=cstack.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert watch.since() == (2, 5, 2)
+
+
+def test_a_batch_line_past_the_context_fails_with_the_routes_error(cstack, client, tok):
+    body = {"model": cstack.name, "prompt": "word " * 600, "max_tokens": 4}
+    lines = [
+        {"custom_id": "long", "method": "POST", "url": "/v1/completions", "body": body},
+        {"custom_id": "short", "method": "POST", "url": "/v1/completions", "body": {**body, "prompt": "Hello"}},
+    ]
+    f = client.files.create(file=("in.jsonl", "".join(json.dumps(ln) + "\n" for ln in lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
+    (err,) = [json.loads(ln) for ln in client.files.content(batch.error_file_id).text.splitlines()]
+    direct = requests.post(cstack.base + "/v1/completions", json=body, timeout=60)
+    assert err["custom_id"] == "long" and err["response"]["status_code"] == 400
+    assert err["response"]["body"] == direct.json()
+    assert_too_long(direct, len(tok(body["prompt"]).input_ids), 4, "prompt")
