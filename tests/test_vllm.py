@@ -8,6 +8,7 @@ import json
 import uuid
 
 import pytest
+from conftest import VLLM_MAX_MODEL_LEN
 from helpers import joined, sse_events, stream, submit
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
@@ -99,8 +100,19 @@ def test_cancelling_aborts_the_vllm_request(vllm_stack):
 
 
 def test_prompt_too_long_for_vllm(vllm_stack):
+    """Refused at submit against the vLLM worker's context (GENQ_VLLM_MAX_MODEL_LEN), which it
+    announces with its tokenizer's bound (tests/test_context.py)."""
     resp = vllm_stack.post("/generate_vllm", json={"prompts": ["word " * 600]})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long"
+    body = {"model": vllm_stack.name, "prompt": "word " * 300, "max_tokens": 4}
+    err = vllm_stack.post("/v1/completions", json=body).json()["error"]
+    assert err["code"] == "prompt_too_long" and err["param"] == "prompt", err
+    assert err["message"].startswith(f"This model's maximum context length is {VLLM_MAX_MODEL_LEN} tokens."), err
+    # Token ids are counted as sent: just under the context fits, one more does not.
+    ids = [100] * (VLLM_MAX_MODEL_LEN - 4)
+    assert vllm_stack.post("/v1/completions", json={**body, "prompt": ids}).status_code == 200
+    err = vllm_stack.post("/v1/completions", json={**body, "prompt": ids + [100]}).json()["error"]
+    assert err["code"] == "prompt_too_long" and err["param"] == "max_tokens", err
 
 
 def test_the_api_and_hf_worker_run_without_vllm(hf_stack):
