@@ -106,14 +106,16 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         n, w = step.gather.shape[0], step.width
         rows = slice(step.lo, step.lo + n)
         cols = slice(kv.end + 1 - w, kv.end + 1)
-        out, _ = sdpa_attention_forward(
-            module,
-            q[step.gather].permute(0, 2, 1, 3),
-            key[rows, :, cols],
-            value[rows, :, cols],
-            step.prefill_mask,
-            scaling=scaling,
-        )
+        k, v = key[rows, :, cols], value[rows, :, cols]
+        fed = q[step.gather].permute(0, 2, 1, 3)  # [joining, heads, queries, head_dim]
+        if step.prefill_mask is None:  # one row, causal over its own prompt
+            out, _ = sdpa_attention_forward(module, fed, k, v, None, scaling=scaling)
+        else:  # as the running rows: each key/value head's query heads, one after the other
+            groups, queries = fed.shape[1] // k.shape[1], fed.shape[2]
+            grouped = fed.reshape(n, k.shape[1], groups * queries, fed.shape[-1])
+            mask = step.prefill_mask.repeat(1, 1, groups, 1)
+            out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scaling)
+            out = out.view(n, -1, queries, fed.shape[-1]).transpose(1, 2)
         parts.append(out.reshape(-1, *q.shape[1:])[step.valid])
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(0), None

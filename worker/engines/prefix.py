@@ -3,8 +3,9 @@ and are copied into the rows of later jobs whose tokens start the same way.
 
 A prompt is cut into blocks of `block` tokens; each full block is named by a digest of its
 tokens chained to its predecessor's (vLLM's hashed blocks), so a block stands for the whole
-prefix up to its end. The blocks live in one pool `[layers, blocks, heads, block, head_dim]`
-for keys and one for values, bounded by a byte budget and evicted least recently used, the
+prefix up to its end. The blocks live in one pool `[layers, heads, blocks x block, head_dim]`
+for keys and one for values (a head's tokens in the row's layout, so that a copy goes straight
+into a row), bounded by a byte budget and evicted least recently used, the
 later blocks of a prefix before its earlier ones. A joining row gets its cached blocks copied
 into its columns of the batch's cache (worker/engines/kvcache.py) and feeds only the rest; a
 row's blocks go in once it has been prefilled and again when it leaves (a chat's next turn
@@ -97,12 +98,13 @@ class PrefixCache:
 
     def fill(self, kv: SlotKV, row: int, col: int, blocks: list[int]) -> None:
         """Copy `blocks` into `row`'s columns from `col` on."""
-        layers, heads, block, head_dim = self.shape
-        n = len(blocks) * block
-        idx = torch.tensor(blocks, device=self.device)
+        layers, heads, _, _ = self.shape
+        slots = self._slots(blocks)
+        end = col + len(slots)
         for layer in range(layers):
             for pool, buf in ((self.k, kv.k[layer]), (self.v, kv.v[layer])):
-                buf[row, :, col : col + n] = pool[layer, idx].transpose(0, 1).reshape(heads, n, head_dim)
+                for head in range(heads):
+                    torch.index_select(pool[layer, head], 0, slots, out=buf[row, head, col:end])
 
     def store(self, kv: SlotKV, row: int, tokens: list[int], names: list[bytes]) -> None:
         """Keep the full blocks of `row`'s tokens (`tokens`: what its valid columns hold, in
@@ -119,7 +121,7 @@ class PrefixCache:
             return
         if self.k is None:
             layers, heads, block, head_dim = self.shape
-            size = (layers, self.capacity, heads, block, head_dim)
+            size = (layers, heads, self.capacity * block, head_dim)
             self.k = torch.empty(size, dtype=self.dtype, device=self.device)
             self.v = torch.empty(size, dtype=self.dtype, device=self.device)
         ids = []
@@ -130,11 +132,15 @@ class PrefixCache:
         self._touch(names[:count])
         s, e = kv.start, kv.end
         cols = kv.mask[row, s:e].nonzero().view(-1)[start * self.block : count * self.block] + s
-        layers, heads, block, head_dim = self.shape
-        idx = torch.tensor(ids, device=self.device)
-        for layer in range(layers):
+        slots = self._slots(ids)
+        for layer in range(self.shape[0]):
             for pool, buf in ((self.k, kv.k[layer]), (self.v, kv.v[layer])):
-                pool[layer, idx] = buf[row, :, cols].view(heads, len(ids), block, head_dim).transpose(0, 1)
+                pool[layer][:, slots] = buf[row][:, cols]
+
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        """The pool's token slots of `blocks`, in order."""
+        b = self.block
+        return (torch.tensor(blocks, device=self.device)[:, None] * b + torch.arange(b, device=self.device)).view(-1)
 
     def _take(self) -> int:
         if self.free:
