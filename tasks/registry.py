@@ -25,6 +25,18 @@ class TokenBound(BaseModel):
     extra: int = Field(0, ge=0)
 
 
+class ChatBound(BaseModel):
+    """How many tokens a worker's chat template adds to a conversation, at most, beyond its
+    messages' own text: `base` once (the generation prompt, a default system prompt, BOS) and
+    `per_message` for each message (its role's markers, separators), measured on the template
+    and checked on conversations of several sizes at load (worker/chatbound.py). A
+    conversation's prompt is then at most base + the sum over its messages of per_message plus
+    the token bound (`TokenBound`) of its content and of its name."""
+
+    base: int = Field(ge=0)
+    per_message: int = Field(ge=0)
+
+
 class WorkerInfo(BaseModel):
     name: str
     model: str
@@ -43,6 +55,12 @@ class WorkerInfo(BaseModel):
         "max_model_len at submit (webapp/context.py); None: it counts no prompts (no tokenizer, or an older worker)",
     )
     chat_template: bool = Field(False, description="it has a chat template (/v1/chat/completions)")
+    chat_bound: ChatBound | None = Field(
+        None,
+        description="its chat template's bound on the tokens it adds to a conversation, by which the API "
+        "checks a chat request against max_model_len without counting it (webapp/context.py); None: a worker "
+        "counts every conversation (a template it could not bound, no template, or an older worker)",
+    )
     device: str = Field("cpu", description="where its engine runs the model: cpu, cuda:N")
     metrics_port: int | None = Field(None, description="its Prometheus exporter's port (worker/metrics.py)")
     draining: bool = Field(False, description="shutting down: finishes its jobs, takes no new calls")

@@ -1,9 +1,12 @@
 """A prompt past the model's context is refused at submit (400 `prompt_too_long`, vLLM's error,
 naming the limit) on every submitting route, and nothing is queued: the workers announce their
-context and their tokenizer's bound on a text's tokens (worker/tokenbound.py), the API decides
-by that bound whether a prompt surely fits (webapp/context.py) and has a worker count it only
-when it cannot tell. The bound itself, on synthetic tokenizers of each kind and on the real
-ones; then the whole stack with the tiny model (context 512)."""
+context, their tokenizer's bound on a text's tokens (worker/tokenbound.py) and their chat
+template's bound on what it adds to a conversation (worker/chatbound.py), the API decides by
+those bounds whether a prompt or a conversation surely fits (webapp/context.py) and has a
+worker count it only when it cannot tell, on threads that jobs do not hold (worker/asks.py).
+The bounds themselves, on synthetic tokenizers and templates and on the real ones (the dev
+models', the real SmolLM2 checkpoint's); then the whole stack with the tiny model (context
+512) and with SmolLM2 (8192)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tasks import keys
-from tasks.registry import Registry, TokenBound, WorkerInfo
+from tasks.registry import ChatBound, Registry, TokenBound, WorkerInfo
+from tasks.schemas import ChatMessage, ChatOptions
 from webapp import context
 from worker import tokenbound
 from worker.tokenbound import Unbounded, analyse
@@ -41,6 +45,7 @@ def worker(max_model_len=CONTEXT, per_byte=1, extra=1, bound=True, **kw) -> Work
         started=0.0,
         max_model_len=max_model_len,
         token_bound=TokenBound(per_byte=per_byte, extra=extra) if bound else None,
+        chat_bound=kw.get("chat_bound"),
     )
 
 
@@ -86,6 +91,47 @@ def test_the_error_is_vllms_and_names_the_field_to_shorten():
     )
     assert context.too_long(CONTEXT, 512, 1, "messages").param == "messages"  # no room for one token
     assert context.too_long(CONTEXT, 500, 16, "messages").param == "max_new_tokens"  # the completion's fault
+
+
+def conversation(*messages: tuple, **kw) -> ChatOptions:
+    """(role, content) or (role, content, name) each."""
+    return ChatOptions(
+        messages=[ChatMessage(role=m[0], content=m[1], name=(m[2:] or [None])[0]) for m in messages], **kw
+    )
+
+
+def test_the_chat_bound_of_a_models_workers():
+    """The loosest of the workers' (a job may go to any); none beside a worker without one (a
+    template it could not bound, an older worker): then every conversation is counted."""
+    a, b = ChatBound(base=29, per_message=10), ChatBound(base=13, per_message=14)
+    ctx = context.context_of([worker(chat_bound=a), worker(chat_bound=b)])
+    assert ctx.chat == ChatBound(base=29, per_message=14)
+    assert context.context_of([worker(chat_bound=a), worker()]).chat is None
+    assert context.context_of([worker()]).chat is None
+
+
+def test_a_conversations_bound_and_what_surely_fits():
+    ctx = context.Context(CONTEXT, TokenBound(per_byte=1, extra=1), ChatBound(base=10, per_message=5))
+    chat = conversation(("system", "You are terse."), ("user", "héllo", "bob"))
+    # base + each message's (per_message + content bytes + extra) + each name's (bytes + extra)
+    expected = 10 + (5 + 14 + 1) + (5 + 6 + 1) + (3 + 1)
+    assert context.chat_upper_bound(chat, ctx) == expected == 46
+    # Special tokens asked for come on top (the template has its own: none by default).
+    assert context.chat_upper_bound(chat, ctx, add_special_tokens=True) == 47
+    assert context.chat_surely_fits(chat, CONTEXT - 46, ctx) is True
+    assert context.chat_surely_fits(chat, CONTEXT - 45, ctx) is False
+    assert context.chat_surely_fits(chat, CONTEXT - 46, ctx, add_special_tokens=True) is False
+    assert context.chat_surely_fits(chat, CONTEXT - 40, ctx, truncate=40) is True  # its last 40 kept
+    long = conversation(("user", "x" * 10_000))
+    assert context.chat_surely_fits(long, 16, ctx) is False  # only counting can tell
+    assert context.chat_surely_fits(long, 16, ctx, truncate=-1) is False  # the context, and 16 more
+    # Only a worker can tell: no bound on the template, none on the text, or template variables
+    # (the template may read them for anything).
+    assert context.chat_upper_bound(chat, context.Context(CONTEXT, TokenBound(per_byte=1, extra=1))) is None
+    no_text = context.Context(CONTEXT, TokenBound(per_byte=None), ChatBound(base=10, per_message=5))
+    assert context.chat_upper_bound(chat, no_text) is None
+    kwargs = conversation(("user", "hi"), chat_template_kwargs={"enable_thinking": True})
+    assert context.chat_upper_bound(kwargs, ctx) is None and not context.chat_surely_fits(kwargs, 1, ctx)
 
 
 # -- the worker's bound (worker/tokenbound.py) -------------------------------------------------

@@ -1,9 +1,11 @@
 """Does a prompt fit the model's context? Decided at submit, without a tokenizer (the API never
 loads one), from what the model's live workers announce in their heartbeats: the context
-(`max_model_len`) and their tokenizer's bound on a text's tokens (`token_bound`, per UTF-8
-byte, worker/tokenbound.py). A prompt whose bound plus its completion fits surely fits, and
-nothing more is done (the common case); token ids are counted exactly; only the rest (and every
-conversation, whose prompt the worker's chat template makes) is counted by a worker
+(`max_model_len`), their tokenizer's bound on a text's tokens (`token_bound`, per UTF-8 byte,
+worker/tokenbound.py) and their chat template's bound on what it adds to a conversation
+(`chat_bound`, worker/chatbound.py). A prompt whose bound plus its completion fits surely fits,
+and nothing more is done (the common case, conversations included); token ids are counted
+exactly; only the rest (and every conversation where a worker could not bound its template, or
+with `chat_template_kwargs`, which the template may read for anything) is counted by a worker
 (webapp/completions.py, through webapp/tokens.py). A prompt that does not fit is refused
 with vLLM's error, 400 `prompt_too_long`; the worker's own check stays behind it.
 """
@@ -13,18 +15,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tasks.registry import TokenBound, WorkerInfo
+from tasks.registry import ChatBound, TokenBound, WorkerInfo
+from tasks.schemas import ChatOptions
 from webapp.errors import APIError
 
 
 @dataclass(frozen=True)
 class Context:
     """What a model's live workers say about its prompts: its context in tokens (the smallest
-    any of them has: a job may go to any) and the bound on a text's tokens (the loosest; per
-    byte None: none known, every prompt is counted)."""
+    any of them has: a job may go to any), the bound on a text's tokens (the loosest; per
+    byte None: none known, every prompt is counted) and on what the chat template adds to a
+    conversation (the loosest; None: every conversation is counted)."""
 
     max_model_len: int
     bound: TokenBound
+    chat: ChatBound | None = None
 
 
 def context_of(workers: Iterable[WorkerInfo]) -> Context | None:
@@ -37,7 +42,11 @@ def context_of(workers: Iterable[WorkerInfo]) -> Context | None:
     bounds = [w.token_bound for w in workers]
     per_byte = None if any(b.per_byte is None for b in bounds) else max(b.per_byte for b in bounds)
     bound = TokenBound(per_byte=per_byte, extra=max(b.extra for b in bounds))
-    return Context(min(w.max_model_len for w in workers), bound)
+    chats = [w.chat_bound for w in workers]
+    chat = None
+    if all(c is not None for c in chats):
+        chat = ChatBound(base=max(c.base for c in chats), per_message=max(c.per_message for c in chats))
+    return Context(min(w.max_model_len for w in workers), bound, chat)
 
 
 def upper_bound(prompt: str | list[int], bound: TokenBound) -> int | None:
@@ -48,6 +57,22 @@ def upper_bound(prompt: str | list[int], bound: TokenBound) -> int | None:
     if bound.per_byte is None:
         return None
     return bound.per_byte * len(prompt.encode("utf-8", "surrogatepass")) + bound.extra
+
+
+def chat_upper_bound(chat: ChatOptions, ctx: Context, add_special_tokens: bool = False) -> int | None:
+    """At most how many tokens the worker's template makes of the conversation: the template's
+    own (`ctx.chat`) plus each message's content and name by the text bound, and the special
+    tokens a request that asks for them adds. None where only a worker can tell: no bound on
+    the template or the text, or `chat_template_kwargs`, which the template may read for
+    anything (a system prompt, a switch that adds one)."""
+    if ctx.chat is None or ctx.bound.per_byte is None or chat.chat_template_kwargs:
+        return None
+    total = ctx.chat.base + (ctx.bound.extra if add_special_tokens else 0)
+    for m in chat.messages:
+        total += ctx.chat.per_message + upper_bound(m.content, ctx.bound)
+        if m.name is not None:
+            total += upper_bound(m.name, ctx.bound)
+    return total
 
 
 def kept(tokens: int, truncate: int | None, max_model_len: int) -> int:
@@ -69,6 +94,15 @@ def surely_fits(
     if kept(bound, truncate, ctx.max_model_len) + max_new <= ctx.max_model_len:
         return True
     return False if not isinstance(prompt, str) else None
+
+
+def chat_surely_fits(
+    chat: ChatOptions, max_new: int, ctx: Context, truncate: int | None = None, add_special_tokens: bool = False
+) -> bool:
+    """True when the conversation's prompt and `max_new` tokens surely fit the context; False
+    when only counting its tokens can tell."""
+    bound = chat_upper_bound(chat, ctx, add_special_tokens)
+    return bound is not None and kept(bound, truncate, ctx.max_model_len) + max_new <= ctx.max_model_len
 
 
 def fits(prompt_tokens: int, max_new: int, max_model_len: int) -> bool:
