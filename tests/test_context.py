@@ -24,7 +24,9 @@ from tasks import keys
 from tasks.registry import ChatBound, Registry, TokenBound, WorkerInfo
 from tasks.schemas import ChatMessage, ChatOptions
 from webapp import context
-from worker import tokenbound
+from worker import chatbound, tokenbound
+from worker.chat import Chat
+from worker.engines.base import GenerationError
 from worker.tokenbound import Unbounded, analyse
 
 CONTEXT = 512  # the tiny model's
@@ -305,6 +307,155 @@ def test_the_bound_holds_on_the_dev_models_tokenizers(dev_tokenizers):
 def test_a_bound_broken_on_the_probes_is_not_announced(dev_tokenizers, monkeypatch):
     monkeypatch.setattr(tokenbound, "analyse", lambda *a: (1, 0))  # one token short of OPT's BOS
     assert tokenbound.bound_of(dev_tokenizers["opt"]) == TokenBound(per_byte=None)
+
+
+# -- the chat template's bound (worker/chatbound.py) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The real SmolLM2-135M-Instruct checkpoint (scripts/realmodel.py; built once, ~25 s)."""
+    from scripts import realmodel
+
+    return realmodel.ensure()
+
+
+def templated(tok, template: str | None = None) -> Chat:
+    """A worker's Chat over `tok` with `template` (Jinja text; None: the tokenizer's own)."""
+    chat = Chat(tok)
+    if template is not None:
+        chat.template = template
+    return chat
+
+
+def random_conversations(n: int, seed: int = 0) -> list[ChatOptions]:
+    """Conversations of 1 to 24 messages of every role, in any order, with and without names
+    and a system message, contents of every kind (random_texts: spaces, added tokens'
+    text, characters normalization lengthens, characters outside any vocabulary) and length, each
+    rendered with the generation prompt, without it, or continuing the final message."""
+    rng = random.Random(seed)
+    texts = random_texts(400, seed) + ["", "word " * 200, '"\\' * 50, "<|im_end|>\n<|im_start|>user\n" * 5]
+    names = ["alice", "Bob Smith", "名字", " x "]
+    roles = chatbound.ROLES
+    convs = []
+    for _ in range(n):
+        messages = [
+            ChatMessage(
+                role=rng.choice(roles),
+                content=rng.choice(texts),
+                name=rng.choice(names) if rng.random() < 0.2 else None,
+            )
+            for _ in range(rng.randrange(1, 25))
+        ]
+        mode = rng.choice(
+            [{}, {"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True}]
+        )
+        convs.append(ChatOptions(messages=messages, **mode))
+    return convs
+
+
+def assert_chat_bound_holds(chat: Chat, tb: TokenBound, cb: ChatBound, convs: list[ChatOptions]) -> list[int]:
+    """The API's bound (webapp/context.py) against the tokens the worker's engines make of each
+    conversation's prompt; returns the slack of each the template renders."""
+    ctx = context.Context(10**9, tb, cb)
+    slack = []
+    for opts in convs:
+        try:
+            text = chat.render(opts)
+        except GenerationError:  # the template refuses it: a job of it fails on the worker
+            continue
+        n = len(chat.tok(text, add_special_tokens=False).input_ids)
+        bound = context.chat_upper_bound(opts, ctx)
+        assert n <= bound, ([m.role for m in opts.messages], text[:300], n, bound)
+        slack.append(bound - n)
+    return slack
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.mark.parametrize("which", ["tests/chat_template.jinja", "the tiny model's own", "the tiny qwen2's own"])
+def test_the_chat_bound_holds_on_the_dev_templates(which, dev_tokenizers):
+    from scripts.stack import ROOT
+
+    tok = dev_tokenizers["qwen2" if "qwen2" in which else "opt"]
+    chat = templated(tok, (ROOT / TEMPLATE).read_text() if which == TEMPLATE else None)
+    assert chat.available
+    cb = chatbound.measure(chat)
+    assert cb is not None, which
+    slack = assert_chat_bound_holds(chat, tokenbound.bound_of(tok), cb, random_conversations(300))
+    assert len(slack) == 300  # the template takes any conversation
+    # Useful: a short conversation's bound is within a few tokens a message of its prompt.
+    assert cb.per_message <= 16 and cb.base <= 16, cb
+
+
+def test_the_chat_bound_holds_on_smollm2s_template(smollm2):
+    """SmolLM2's template adds its default system prompt to a conversation without a system
+    message first: that is in `base` (measured with and without one), not in every message's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    chat = templated(tok)
+    assert "You are a helpful AI assistant named SmolLM" in chat.template
+    tb = tokenbound.bound_of(tok)
+    cb = chatbound.measure(chat)
+    assert tb == TokenBound(per_byte=1, extra=0) and cb is not None
+    default_system = len(
+        tok(
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        ).input_ids
+    )
+    assert cb.base >= default_system + 3  # and the generation prompt
+    assert cb.per_message < default_system  # not added to each message
+    slack = assert_chat_bound_holds(chat, tb, cb, random_conversations(400, seed=3))
+    assert len(slack) == 400
+    # The bound of a one-line question is within a few tokens of its prompt (31 tokens).
+    hi = conversation(("user", "hi"))
+    (n,) = [len(tok(chat.render(hi), add_special_tokens=False).input_ids)]
+    assert n == 31 and n <= context.chat_upper_bound(hi, context.Context(8192, tb, cb)) <= n + 12
+
+
+UNBOUNDED_TEMPLATES = {
+    "repeats the content": "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{{ m.content }}\n{% endfor %}",
+    "escapes the content": "{% for m in messages %}{{ {'role': m.role, 'content': m.content} | tojson }}\n{% endfor %}",
+    "adds more each message": "{% for m in messages %}{{ '# ' * loop.index }}{{ m.content }}\n{% endfor %}",
+    "reads the clock": "Today is {{ strftime_now('%d %B %Y') }}.\n{% for m in messages %}{{ m.content }}\n{% endfor %}",
+    "refuses every conversation": "{{ raise_exception('no') }}",
+}
+
+
+@pytest.mark.parametrize("why", list(UNBOUNDED_TEMPLATES))
+def test_a_template_whose_tokens_are_not_bounded_gets_no_bound(why, tiny_tok):
+    assert chatbound.measure(templated(tiny_tok, UNBOUNDED_TEMPLATES[why])) is None
+
+
+def test_a_template_with_a_constant_overhead_gets_one(tiny_tok):
+    """Position-dependent but bounded (numbered turns), content-dependent branches that only
+    shorten (a blank content left out), alternation enforced: all bounded."""
+    template = (
+        "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('alternate') }}{% endif %}"
+        "Turn {{ loop.index }} {{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: "
+        "{% if m.content | trim %}{{ m.content | trim }}{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}Turn {{ messages | length + 1 }} assistant: {% endif %}"
+    )
+    chat = templated(tiny_tok, template)
+    cb = chatbound.measure(chat)
+    assert cb is not None
+    alternating = [
+        ChatOptions(
+            messages=[
+                ChatMessage(role=("user", "assistant")[i % 2], content=m.content, name=m.name)
+                for i, m in enumerate(c.messages)
+            ]
+        )
+        for c in random_conversations(200, seed=5)
+    ]
+    assert len(assert_chat_bound_holds(chat, tokenbound.bound_of(tiny_tok), cb, alternating)) == 200
 
 
 # -- the whole stack -------------------------------------------------------------------------

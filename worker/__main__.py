@@ -27,7 +27,7 @@ from tasks.config import get_settings, queue_for
 from tasks.jobs import JobStore
 from tasks.kombu_compat import guard_restores
 from tasks.registry import Registry, WorkerInfo
-from worker import metrics, tasks, tokenbound
+from worker import chatbound, metrics, tasks, tokenbound
 from worker.chat import Chat
 from worker.engines import create_engine
 from worker.publisher import StreamPublisher
@@ -148,6 +148,8 @@ def main() -> None:
     chat = Chat(tok, settings.chat_template, engine.max_model_len)
     # The API checks prompts against the context at submit by this bound (webapp/context.py).
     token_bound = tokenbound.bound_of(tok) if tok is not None and engine.max_model_len else None
+    # ... and a conversation by this one on its template's tokens (without it, each is counted).
+    chat_bound = chatbound.measure(chat) if token_bound is not None and token_bound.per_byte is not None else None
     WorkerTask.equip(engine=engine, store=store, worker_name=name, publisher=publisher, chat=chat)
     app = make_celery(settings)
     # A successful result and its job's status go to Redis in one call (tasks/backend.py).
@@ -166,6 +168,7 @@ def main() -> None:
         max_model_len=engine.max_model_len,
         token_bound=token_bound,
         chat_template=chat.available,
+        chat_bound=chat_bound,
         device=engine.device,
         metrics_port=metrics_port,
     )
