@@ -543,9 +543,18 @@ def assert_too_long(resp, prompt_tokens: int, max_new: int, param: str) -> None:
     )
 
 
-def test_the_worker_announces_its_context_and_bound(cstack, r):
-    (w,) = [w for w in Registry(r, 30).live() if w.model == cstack.name]
+def announced(stack, r) -> WorkerInfo:
+    (w,) = [w for w in Registry(r, 30).live() if w.model == stack.name]
+    return w
+
+
+def test_the_worker_announces_its_context_and_bounds(cstack, r, tok):
+    from scripts.stack import ROOT
+
+    w = announced(cstack, r)
     assert w.max_model_len == CONTEXT and w.token_bound == TokenBound(per_byte=1, extra=1)
+    # Its template's, as measured here on the same tokenizer and template.
+    assert w.chat_bound is not None and w.chat_bound == chatbound.measure(Chat(tok, str(ROOT / TEMPLATE)))
 
 
 def test_jobs_api(cstack, r, tok):
@@ -617,7 +626,8 @@ def test_completions(cstack, client, r, tok):
 
 
 def test_chat_completions(cstack, client, r, tok):
-    """A conversation's prompt is the worker's template over it: the worker counts it."""
+    """A conversation's prompt is the worker's template over it: one whose bound (the
+    template's and its contents') does not surely fit is counted by the worker."""
     from scripts.stack import ROOT
 
     template = (ROOT / TEMPLATE).read_text()
@@ -642,9 +652,101 @@ def test_chat_completions(cstack, client, r, tok):
     under = exactly(count, CONTEXT - 8)
     out = client.chat.completions.create(model=cstack.name, messages=[{"role": "user", "content": under}], max_tokens=8)
     assert out.usage.prompt_tokens == CONTEXT - 8
+    assert watch.since() == (1, 4, 1)
+    # A short one surely fits: not counted.
     out = client.chat.completions.create(model=cstack.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert out.choices[0].finish_reason in ("length", "stop")
-    assert watch.since() == (2, 5, 2)
+    assert watch.since() == (2, 4, 2)
+
+
+def chat_bound_of(stack, r, chat: ChatOptions) -> int:
+    """The API's bound on the conversation's prompt, by what the stack's worker announces."""
+    w = announced(stack, r)
+    return context.chat_upper_bound(chat, context.Context(w.max_model_len, w.token_bound, w.chat_bound))
+
+
+def test_a_chat_that_surely_fits_is_not_counted(cstack, client, r, tok):
+    """Chat is the main load: a conversation whose bound fits goes straight to the queue, with
+    no round trip to a worker, whatever its shape; one past its bound is counted, and queued
+    when it fits after all."""
+    from scripts.stack import ROOT
+
+    template = (ROOT / TEMPLATE).read_text()
+    watch = Watch(cstack, r)
+    messages = [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Hello, who are you?", "name": "alice"},
+        {"role": "assistant", "content": "A model."},
+        {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "more."}]},
+    ]
+    out = client.chat.completions.create(model=cstack.name, messages=messages, max_tokens=4)
+    assert out.usage.prompt_tokens > 30
+    with client.chat.completions.create(
+        model=cstack.name,
+        messages=messages,
+        max_tokens=4,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    ) as stream:
+        assert [c for c in stream][-1].usage.completion_tokens == 8
+    resp = cstack.post(
+        "/v1/chat/completions",
+        json={
+            "messages": messages[:2],
+            "max_tokens": 3,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    )
+    assert resp.status_code == 200, resp.text
+    assert watch.since() == (4, 0, 4)
+    # Template variables: the template may read them for anything, so a worker counts.
+    resp = cstack.post(
+        "/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "chat_template_kwargs": {"x": 1}}
+    )
+    assert resp.status_code == 200, resp.text
+    assert watch.since() == (5, 1, 5)
+    # At the edge: a bound of exactly the context with its completion is not counted, one more is.
+    one = ChatOptions(messages=[ChatMessage(role="user", content="")])
+    room = CONTEXT - 8 - chat_bound_of(cstack, r, one)  # bytes of content that fit by the bound
+    edge = ("word " * room)[:room]
+    assert chat_bound_of(cstack, r, ChatOptions(messages=[ChatMessage(role="user", content=edge)])) == CONTEXT - 8
+    for content, counted in ((edge, 1), (edge + "s", 2)):
+        out = client.chat.completions.create(
+            model=cstack.name, messages=[{"role": "user", "content": content}], max_tokens=8
+        )
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": content}], chat_template=template, tokenize=False, add_generation_prompt=True
+        )
+        assert out.usage.prompt_tokens == len(tok(text, add_special_tokens=False).input_ids) < CONTEXT - 8
+        assert watch.since() == (5 + counted, counted, 5 + counted)
+
+
+def test_chat_batch_lines(cstack, client, r):
+    """A chat line is checked as the route checks it: a short one is queued uncounted, one past
+    the context fails with the route's error, counted."""
+    body = {"model": cstack.name, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    long = {**body, "messages": [{"role": "user", "content": "word " * 600}]}
+    lines = [
+        {"custom_id": "short", "method": "POST", "url": "/v1/chat/completions", "body": body},
+        {"custom_id": "long", "method": "POST", "url": "/v1/chat/completions", "body": long},
+    ]
+    watch = Watch(cstack, r)
+    f = client.files.create(file=("in.jsonl", "".join(json.dumps(ln) + "\n" for ln in lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
+    assert watch.since() == (1, 1, 1)
+    (err,) = [json.loads(ln) for ln in client.files.content(batch.error_file_id).text.splitlines()]
+    assert err["custom_id"] == "long" and err["response"]["status_code"] == 400
+    assert err["response"]["body"]["error"]["code"] == "prompt_too_long"
+    assert err["response"]["body"] == requests.post(cstack.base + "/v1/chat/completions", json=long, timeout=60).json()
 
 
 def test_a_batch_line_past_the_context_fails_with_the_routes_error(cstack, client, tok):
@@ -666,3 +768,53 @@ def test_a_batch_line_past_the_context_fails_with_the_routes_error(cstack, clien
     assert err["custom_id"] == "long" and err["response"]["status_code"] == 400
     assert err["response"]["body"] == direct.json()
     assert_too_long(direct, len(tok(body["prompt"]).input_ids), 4, "prompt")
+
+
+# -- the real SmolLM2 checkpoint ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol(make_module_stack, smollm2):
+    s = make_module_stack(GENQ_MODEL=str(smollm2), GENQ_MAX_PROMPT_CHARS="200000")
+    s.start_api()
+    s.start_worker()
+    s.wait_ready(timeout=180)
+    return s
+
+
+def test_smollm2_chat_is_not_counted_unless_it_may_not_fit(smol, r, smollm2):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    w = announced(smol, r)
+    assert w.max_model_len == 8192 and w.chat_bound == chatbound.measure(Chat(tok))
+    watch = Watch(smol, r)
+    conversations = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [
+            {"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And of Italy? " * 40},
+        ],
+    ]
+    for messages in conversations:
+        resp = smol.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4})
+        assert resp.status_code == 200, resp.text
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        n = len(tok(text, add_special_tokens=False).input_ids)
+        assert resp.json()["usage"]["prompt_tokens"] == n
+        assert n <= chat_bound_of(smol, r, ChatOptions(messages=[ChatMessage(**m) for m in messages]))
+    assert watch.since() == (2, 0, 2)
+    # Past the context: counted by the worker, refused with vLLM's error, nothing queued.
+    long = [{"role": "user", "content": "word " * 8200}]
+    resp = smol.post("/v1/chat/completions", json={"messages": long, "max_tokens": 4})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    text = tok.apply_chat_template(long, tokenize=False, add_generation_prompt=True)
+    n = len(tok(text, add_special_tokens=False).input_ids)
+    assert err["code"] == "prompt_too_long" and err["param"] == "messages", err
+    assert err["message"].startswith(
+        f"This model's maximum context length is 8192 tokens. However, you requested {n + 4} tokens"
+    )
+    assert watch.since() == (2, 1, 2)

@@ -165,10 +165,10 @@ class CompletionService:
     def check_context(self, req: Jobs, params: SamplingParams, model: str) -> None:
         """400 `prompt_too_long` (vLLM's error), before anything is queued, for a prompt that
         with its completion does not fit the model's context as its live workers announce it
-        (webapp/context.py). A prompt that surely fits by its tokenizer's bound costs nothing
-        more; the others, and a conversation (rendered by the worker's template), are counted
-        by a worker in one round trip. Without a context to check against, or when no worker
-        answers, the job goes on to the worker's own check."""
+        (webapp/context.py). A prompt or a conversation that surely fits by its workers'
+        bounds (their tokenizer's, and their chat template's) costs nothing more; the others
+        are counted by a worker in one round trip. Without a context to check against, or when
+        no worker answers, the job goes on to the worker's own check."""
         ctx = context.context_of(self.jobs.workers_for(model))
         if ctx is None:
             return
@@ -176,7 +176,10 @@ class CompletionService:
         truncate = params.truncate_prompt_tokens
         field = "prompt" if req.chat is None else "messages"
         unsure: list[str] = []
-        if req.chat is None:
+        if req.chat is not None:
+            if context.chat_surely_fits(req.chat, max_new, ctx, truncate, bool(params.add_special_tokens)):
+                return
+        else:
             for p in req.prompts:
                 ok = context.surely_fits(p, max_new, ctx, truncate)
                 if ok is False:  # token ids: counted already

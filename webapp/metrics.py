@@ -95,7 +95,7 @@ class ApiMetrics:
         self.counted = Counter(
             "genq:api_prompts_counted",
             "Requests whose prompt tokens a worker counted before they were queued (their bound did not "
-            "surely fit the model's context, or a conversation), per model.",
+            "surely fit the model's context, or had none), per model.",
             ["model_name"],
             registry=registry,
         )
@@ -108,7 +108,7 @@ _m: ApiMetrics | None = None
 
 
 def prompts_counted(model: str) -> None:
-    """A request's prompts go to a worker to be counted (webapp/completions.py)."""
+    """A request's prompts (or conversation) go to a worker to be counted (webapp/completions.py)."""
     if _m is not None:
         _m.counted.labels(model).inc()
 
