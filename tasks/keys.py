@@ -22,6 +22,12 @@ def reply(request_id: str) -> str:
     return f"{PREFIX}:reply:{request_id}"
 
 
+def asks(queue: str) -> str:
+    """The API's questions (/tokenize, /detokenize, prompt counts) to the workers of one Celery
+    queue's model, which pop them on threads of their own (worker/asks.py)."""
+    return f"{PREFIX}:asks:{queue}"
+
+
 WORKERS = f"{PREFIX}:workers"
 WORKERS_SEEN = f"{PREFIX}:workers:seen"
 # The last Redis outage a worker's heartbeat lived through (tasks/registry.py): start, end.

@@ -61,6 +61,12 @@ class WorkerInfo(BaseModel):
         "checks a chat request against max_model_len without counting it (webapp/context.py); None: a worker "
         "counts every conversation (a template it could not bound, no template, or an older worker)",
     )
+    answers_asks: bool = Field(
+        False,
+        description="it answers /tokenize, /detokenize and the API's prompt counts from its model's ask "
+        "list (tasks/keys.py `asks`) on threads of its own, never behind its jobs (worker/asks.py); False: "
+        "only as a Celery task (an older worker)",
+    )
     device: str = Field("cpu", description="where its engine runs the model: cpu, cuda:N")
     metrics_port: int | None = Field(None, description="its Prometheus exporter's port (worker/metrics.py)")
     draining: bool = Field(False, description="shutting down: finishes its jobs, takes no new calls")

@@ -555,6 +555,7 @@ def test_the_worker_announces_its_context_and_bounds(cstack, r, tok):
     assert w.max_model_len == CONTEXT and w.token_bound == TokenBound(per_byte=1, extra=1)
     # Its template's, as measured here on the same tokenizer and template.
     assert w.chat_bound is not None and w.chat_bound == chatbound.measure(Chat(tok, str(ROOT / TEMPLATE)))
+    assert w.answers_asks
 
 
 def test_jobs_api(cstack, r, tok):
@@ -768,6 +769,100 @@ def test_a_batch_line_past_the_context_fails_with_the_routes_error(cstack, clien
     assert err["custom_id"] == "long" and err["response"]["status_code"] == 400
     assert err["response"]["body"] == direct.json()
     assert_too_long(direct, len(tok(body["prompt"]).input_ids), 4, "prompt")
+
+
+# -- counts never wait behind jobs (worker/asks.py) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def busy(make_module_stack):
+    """A worker with one Celery thread: one running job holds every thread it has."""
+    from scripts.stack import ROOT
+
+    s = make_module_stack(GENQ_CHAT_TEMPLATE=str(ROOT / TEMPLATE), GENQ_MAX_BATCH_SIZE="1", GENQ_RESERVED_SLOTS="0")
+    s.start_api()
+    s.start_worker()
+    s.wait_ready()
+    return s
+
+
+def test_a_count_is_answered_while_jobs_hold_every_thread(busy, r):
+    """A Celery task would wait in Redis for the job to end (the worker prefetches no more
+    than it has threads); the ask list is answered at once."""
+    w = announced(busy, r)
+    assert (w.capacity, w.reserved, w.answers_asks) == (1, 0, True)
+    watch = Watch(busy, r)
+    resp = busy.post("/v1/jobs", json={"prompt": "Hello", "max_new_tokens": 500, "ignore_eos": True})
+    assert resp.status_code == 202, resp.text
+    job_id = resp.json()["id"]
+    deadline = time.monotonic() + 30
+    while busy.get(f"/v1/jobs/{job_id}").json()["status"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # A conversation past its bound is counted (refused), a short one's tokens told.
+    started = time.monotonic()
+    long = {"messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 8}
+    resp = busy.post("/v1/chat/completions", json=long)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long", resp.text
+    resp = busy.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert resp.status_code == 200 and resp.json()["count"] > 2, resp.text
+    answered = time.monotonic() - started
+    assert busy.get(f"/v1/jobs/{job_id}").json()["status"] == "running"  # the job holds the thread still
+    assert watch.since()[1] == 1
+    job = busy.get(f"/v1/jobs/{job_id}?wait=60").json()
+    assert job["status"] == "succeeded" and job["result"]["completion_tokens"] == 500
+    assert answered < 2.0, answered
+
+
+def test_an_older_worker_is_asked_through_celery(r, tiny_tok):
+    """The API asks through the ask list only where a live worker answers it; beside older
+    workers only, through a `genq.tokenize` task as before. The list's answers: worker/asks.py
+    over the worker's Chat."""
+    import importlib
+    import uuid
+
+    from tasks.celery_app import TOKENIZE_TASK
+    from tasks.config import queue_for
+    from worker.asks import Answerers
+
+    tokens = importlib.import_module("webapp.tokens")  # the package's `tokens` is its routes'
+
+    class Service:  # what webapp/tokens.py uses of the API's JobService
+        def __init__(self, workers):
+            self.r, self.celery, self.workers, self.sent = r, self, workers, []
+
+        def resolve_model(self, model):
+            return model
+
+        def require_worker(self, model):
+            pass
+
+        def workers_for(self, model):
+            return self.workers
+
+        def send_task(self, name, args, **kw):  # a Celery worker's task, answered here
+            self.sent.append((name, kw))
+            r.rpush(keys.reply(args[0]["id"]), json.dumps(Chat(tiny_tok).answer(args[0])))
+
+    model = f"test-{uuid.uuid4().hex[:8]}"
+    ask = {"op": "count", "add_special_tokens": True, "prompts": ["Hello", "word " * 10]}
+    counts = [len(tiny_tok(p).input_ids) for p in ask["prompts"]]
+    older = Service([worker().model_copy(update={"model": model})])
+    assert tokens.ask(older, model, ask)["counts"] == counts
+    ((name, kw),) = older.sent
+    assert name == TOKENIZE_TASK and kw["queue"] == queue_for(model)
+    answerers = Answerers(r, Chat(tiny_tok), queue_for(model))
+    answerers.start()
+    try:
+        newer = Service([worker().model_copy(update={"model": model, "answers_asks": True})])
+        assert tokens.ask(newer, model, ask)["counts"] == counts
+        assert newer.sent == []
+        # A question nobody waits for any more is dropped.
+        r.rpush(keys.asks(queue_for(model)), json.dumps({**ask, "id": "gone", "deadline": time.time() - 1}))
+        assert tokens.ask(newer, model, {"op": "detokenize", "tokens": [0]})["prompt"] is not None
+        assert not r.exists(keys.reply("gone"))
+    finally:
+        answerers.stop()
 
 
 # -- the real SmolLM2 checkpoint ---------------------------------------------------------------

@@ -28,6 +28,7 @@ from tasks.jobs import JobStore
 from tasks.kombu_compat import guard_restores
 from tasks.registry import Registry, WorkerInfo
 from worker import chatbound, metrics, tasks, tokenbound
+from worker.asks import Answerers
 from worker.chat import Chat
 from worker.engines import create_engine
 from worker.publisher import StreamPublisher
@@ -169,6 +170,7 @@ def main() -> None:
         token_bound=token_bound,
         chat_template=chat.available,
         chat_bound=chat_bound,
+        answers_asks=True,
         device=engine.device,
         metrics_port=metrics_port,
     )
@@ -176,6 +178,9 @@ def main() -> None:
     running = WorkerTask.running
     reaper = Reaper(app, store, registry, name, queue, running=lambda: running.copy().keys())
     heartbeat = Heartbeat(registry, info, settings.heartbeat_interval, reaper, settings.reconcile_interval)
+    # The API's questions (/tokenize, prompt counts at submit) on threads beside Celery's: never
+    # behind the jobs that fill its threads (worker/asks.py).
+    answerers = Answerers(client, chat, queue)
     guard_restores(lambda: running.copy().values())
 
     @worker_ready.connect(weak=False)
@@ -184,6 +189,7 @@ def main() -> None:
         # hundreds of jobs a second, and the result is user data.
         for noisy in ("celery.app.trace", "celery.worker.strategy"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+        answerers.start()
         heartbeat.start()
         WorkerTask.watch.start()
         log.info("worker %s ready on queue %s", name, queue)
@@ -197,6 +203,7 @@ def main() -> None:
     @worker_shutdown.connect(weak=False)
     def _close(**_):
         heartbeat.stop()
+        answerers.stop()
         WorkerTask.watch.stop()
         engine.close()
         publisher.close()
