@@ -28,6 +28,7 @@ class ModelRunner:
     ):
         self.lm, self.kv, self.device, self.eos, self.tok = lm, kv, device, eos, tok
         self.prefix = prefix if prefix is not None and prefix.capacity else None
+        self.scratch: SlotKV | None = None  # the row of a prompt's chunk (`_chunk`)
         self.block = prefix.block if prefix is not None else 0
         # The logits' width (the output layer's; it may exceed the tokenizer's vocabulary).
         head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
@@ -40,13 +41,17 @@ class ModelRunner:
         their jobs; the other rows sit the step out) and the first token of each admitted job
         (a preempted one feeds its prompt and the tokens it had), which joins after every row:
         the keys/values of its prefix that the prefix cache holds are copied in, the rest is
-        fed. The `partial` jobs feed their tokens up to `Seq.chunk` only, into the prefix cache,
-        and do not join. Returns (the running rows' tokens, the admitted jobs' first tokens)."""
+        fed. The `partial` jobs feed their tokens up to `Seq.chunk` only, into the prefix cache
+        (`_chunk`), and do not join. Returns (the running rows' tokens, the admitted jobs' first
+        tokens)."""
+        for seq in partial:
+            self._chunk(seq)
+        if not (running or admit):
+            return ([], {}), ([], {})
         active, before = len(running), self.kv.rows
-        joining = [*admit, *partial]
-        fed = [s.fed for s in admit] + [s.fed[: s.chunk] for s in partial]
+        fed = [s.fed for s in admit]
         lengths = [len(f) for f in fed]
-        hits = [self._lookup(seq, f) for seq, f in zip(joining, fed)]
+        hits = [self._lookup(seq, f) for seq, f in zip(admit, fed)]
         cached = [len(h) * self.block for h in hits]
         positions = self.kv.begin(active, lengths, cached)
         for j, blocks in enumerate(hits):
@@ -59,7 +64,7 @@ class ModelRunner:
         # position of a job that wants prompt_logprobs (on its first prefill).
         keep, last, spans = list(range(active)), [], {}
         at = active
-        for r, (seq, n) in enumerate(zip(joining, lengths)):
+        for r, (seq, n) in enumerate(zip(admit, lengths)):
             n -= cached[r]
             if seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None:
                 spans[r] = len(keep)
@@ -77,14 +82,35 @@ class ModelRunner:
         )
         self.kv.finish()
         if self.prefix is not None:
-            for j, (seq, f) in enumerate(zip(joining, fed)):
+            for j, (seq, f) in enumerate(zip(admit, fed)):
                 self.prefix.store(self.kv, before + j, f, seq.blocks)
-        if partial:  # their rows (the last ones) leave; their chunks are in the cache
-            self.kv.select(list(range(before + len(admit))))
         logits = out.logits[0]
         decoded = self._decoded(running, logits[:active], before) if active else ([], {})
-        joined = self._joined(admit, fed[: len(admit)], logits, last, spans, before) if admit else ([], {})
+        joined = self._joined(admit, fed, logits, last, spans, before) if admit else ([], {})
         return decoded, joined
+
+    def _chunk(self, seq: Seq) -> None:
+        """Prefill `seq`'s tokens up to `seq.chunk` after what the prefix cache holds of them,
+        in a forward of its own over a one-row cache beside the batch's (so that the batch's
+        window never widens for it), and keep them in the prefix cache."""
+        if self.scratch is None:
+            self.scratch = SlotKV(*self.kv.shape, self.kv.dtype, 1, self.kv.device)
+        kv, fed = self.scratch, seq.fed[: seq.chunk]
+        blocks = self._lookup(seq, fed)
+        cached = len(blocks) * self.block
+        positions = kv.begin(0, [len(fed)], [cached])
+        if blocks:
+            self.prefix.fill(kv, *kv.placement(0, len(fed)), blocks)
+        self.lm(
+            input_ids=torch.tensor([fed[cached:]], device=self.device),
+            position_ids=positions,
+            past_key_values=kv.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv.finish()
+        self.prefix.store(kv, 0, fed, seq.blocks)
+        kv.select([])
 
     def _lookup(self, seq: Seq, fed: list[int]) -> list[int]:
         """The prefix cache's blocks for `seq`'s first tokens (none for a job that wants its
