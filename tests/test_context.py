@@ -462,14 +462,25 @@ def test_a_template_with_a_constant_overhead_gets_one(tiny_tok):
 
 
 @pytest.fixture(scope="module")
-def cstack(make_module_stack):
-    from scripts.stack import ROOT
+def cstack(tiny_model, stack_logs):
+    """A stack on a Redis of its own: the counts below must not see other modules' stacks (on
+    a shared Redis another stack's API may drive this stack's batch)."""
+    from conftest import Stacks
 
-    s = make_module_stack(GENQ_CHAT_TEMPLATE=str(ROOT / TEMPLATE), GENQ_MAX_BATCH_SIZE="8")
-    s.start_api()
-    s.start_worker()
-    s.wait_ready()
-    return s
+    from scripts import stack as stackmod
+
+    db = stackmod.PrivateRedis()
+    stacks = Stacks(db.url, tiny_model, stack_logs)
+    try:
+        s = stacks(GENQ_CHAT_TEMPLATE=str(stackmod.ROOT / TEMPLATE), GENQ_MAX_BATCH_SIZE="8")
+        s.redis_url = db.url
+        s.start_api()
+        s.start_worker()
+        s.wait_ready()
+        yield s
+    finally:
+        stacks.stop()
+        db.stop()
 
 
 @pytest.fixture(scope="module")
@@ -482,6 +493,14 @@ def tok(tiny_model):
 @pytest.fixture(scope="module")
 def r(redis_url):
     client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def cr(cstack):
+    """`cstack`'s Redis."""
+    client = redis.Redis.from_url(cstack.redis_url, decode_responses=True)
     yield client
     client.close()
 
@@ -518,7 +537,9 @@ class Watch:
             if s.labels.get("model_name") == self.stack.name
         }
         records = sum(
-            1 for k in self.r.scan_iter(keys.job("*"), count=1000) if self.r.hget(k, "model") == self.stack.name
+            1
+            for k in self.r.scan_iter(keys.job("*"), count=1000)
+            if self.r.type(k) == "hash" and self.r.hget(k, "model") == self.stack.name
         )
         return (
             samples.get("genq:api_jobs_submitted_total", 0.0),
@@ -548,21 +569,21 @@ def announced(stack, r) -> WorkerInfo:
     return w
 
 
-def test_the_worker_announces_its_context_and_bounds(cstack, r, tok):
+def test_the_worker_announces_its_context_and_bounds(cstack, cr, tok):
     from scripts.stack import ROOT
 
-    w = announced(cstack, r)
+    w = announced(cstack, cr)
     assert w.max_model_len == CONTEXT and w.token_bound == TokenBound(per_byte=1, extra=1)
     # Its template's, as measured here on the same tokenizer and template.
     assert w.chat_bound is not None and w.chat_bound == chatbound.measure(Chat(tok, str(ROOT / TEMPLATE)))
     assert w.answers_asks
 
 
-def test_jobs_api(cstack, r, tok):
+def test_jobs_api(cstack, cr, tok):
     def count(text):
         return len(tok(text).input_ids)
 
-    watch = Watch(cstack, r)
+    watch = Watch(cstack, cr)
     # Past the context with its completion: refused at submit, nothing queued.
     over = exactly(count, CONTEXT - 16 + 1)
     assert_too_long(
@@ -584,9 +605,9 @@ def test_jobs_api(cstack, r, tok):
     assert watch.since() == (1, 4, 1)
 
 
-def test_a_short_prompt_is_not_counted(cstack, r):
+def test_a_short_prompt_is_not_counted(cstack, cr):
     """The common case costs nothing: a prompt whose bytes (+ BOS) and completion fit."""
-    watch = Watch(cstack, r)
+    watch = Watch(cstack, cr)
     resp = cstack.post("/v1/jobs", json={"prompt": "Hello, my name is", "max_new_tokens": 4})
     assert resp.status_code == 202
     resp = cstack.post("/v1/completions", json={"prompt": ["Hello", "x" * (CONTEXT - 17)], "max_tokens": 16})
@@ -594,11 +615,11 @@ def test_a_short_prompt_is_not_counted(cstack, r):
     assert watch.since()[:2] == (3, 0)
 
 
-def test_completions(cstack, client, r, tok):
+def test_completions(cstack, client, cr, tok):
     def count(text):
         return len(tok(text).input_ids)
 
-    watch = Watch(cstack, r)
+    watch = Watch(cstack, cr)
     over = exactly(count, CONTEXT)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=cstack.name, prompt=over, max_tokens=4)
@@ -626,7 +647,7 @@ def test_completions(cstack, client, r, tok):
     assert watch.since() == (3, 4, 3)
 
 
-def test_chat_completions(cstack, client, r, tok):
+def test_chat_completions(cstack, client, cr, tok):
     """A conversation's prompt is the worker's template over it: one whose bound (the
     template's and its contents') does not surely fit is counted by the worker."""
     from scripts.stack import ROOT
@@ -638,7 +659,7 @@ def test_chat_completions(cstack, client, r, tok):
         text = tok.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
         return len(tok(text, add_special_tokens=False).input_ids)
 
-    watch = Watch(cstack, r)
+    watch = Watch(cstack, cr)
     over = exactly(count, CONTEXT - 7)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=cstack.name, messages=[{"role": "user", "content": over}], max_tokens=8)
@@ -660,20 +681,20 @@ def test_chat_completions(cstack, client, r, tok):
     assert watch.since() == (2, 4, 2)
 
 
-def chat_bound_of(stack, r, chat: ChatOptions) -> int:
+def chat_bound_of(stack, cr, chat: ChatOptions) -> int:
     """The API's bound on the conversation's prompt, by what the stack's worker announces."""
-    w = announced(stack, r)
+    w = announced(stack, cr)
     return context.chat_upper_bound(chat, context.Context(w.max_model_len, w.token_bound, w.chat_bound))
 
 
-def test_a_chat_that_surely_fits_is_not_counted(cstack, client, r, tok):
+def test_a_chat_that_surely_fits_is_not_counted(cstack, client, cr, tok):
     """Chat is the main load: a conversation whose bound fits goes straight to the queue, with
     no round trip to a worker, whatever its shape; one past its bound is counted, and queued
     when it fits after all."""
     from scripts.stack import ROOT
 
     template = (ROOT / TEMPLATE).read_text()
-    watch = Watch(cstack, r)
+    watch = Watch(cstack, cr)
     messages = [
         {"role": "system", "content": "You are a terse assistant."},
         {"role": "user", "content": "Hello, who are you?", "name": "alice"},
@@ -711,9 +732,9 @@ def test_a_chat_that_surely_fits_is_not_counted(cstack, client, r, tok):
     assert watch.since() == (5, 1, 5)
     # At the edge: a bound of exactly the context with its completion is not counted, one more is.
     one = ChatOptions(messages=[ChatMessage(role="user", content="")])
-    room = CONTEXT - 8 - chat_bound_of(cstack, r, one)  # bytes of content that fit by the bound
+    room = CONTEXT - 8 - chat_bound_of(cstack, cr, one)  # bytes of content that fit by the bound
     edge = ("word " * room)[:room]
-    assert chat_bound_of(cstack, r, ChatOptions(messages=[ChatMessage(role="user", content=edge)])) == CONTEXT - 8
+    assert chat_bound_of(cstack, cr, ChatOptions(messages=[ChatMessage(role="user", content=edge)])) == CONTEXT - 8
     for content, counted in ((edge, 1), (edge + "s", 2)):
         out = client.chat.completions.create(
             model=cstack.name, messages=[{"role": "user", "content": content}], max_tokens=8
@@ -725,7 +746,7 @@ def test_a_chat_that_surely_fits_is_not_counted(cstack, client, r, tok):
         assert watch.since() == (5 + counted, counted, 5 + counted)
 
 
-def test_chat_batch_lines(cstack, client, r):
+def test_chat_batch_lines(cstack, client, cr):
     """A chat line is checked as the route checks it: a short one is queued uncounted, one past
     the context fails with the route's error, counted."""
     body = {"model": cstack.name, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
@@ -734,7 +755,7 @@ def test_chat_batch_lines(cstack, client, r):
         {"custom_id": "short", "method": "POST", "url": "/v1/chat/completions", "body": body},
         {"custom_id": "long", "method": "POST", "url": "/v1/chat/completions", "body": long},
     ]
-    watch = Watch(cstack, r)
+    watch = Watch(cstack, cr)
     f = client.files.create(file=("in.jsonl", "".join(json.dumps(ln) + "\n" for ln in lines).encode()), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     deadline = time.monotonic() + 120

@@ -58,10 +58,12 @@ def test_teaching_generate_stream_concurrent(hf_stack, reference):
 
 
 def test_failed_job_streams_an_error(hf_stack):
-    job_id = submit(hf_stack, prompt="word " * 600)
+    # A prompt past the context is refused at submit now; a bias on a token out of the
+    # vocabulary passes the API and fails on the worker.
+    job_id = submit(hf_stack, prompt="Hello", max_new_tokens=4, logit_bias={"99999": 5})
     events = stream(hf_stack, job_id)
     assert [e["event"] for e in events] == ["error"]
-    assert json.loads(events[0]["data"])["error"]["code"] == "prompt_too_long"
+    assert json.loads(events[0]["data"])["error"]["code"] == "invalid_request"
 
 
 def test_stream_of_unknown_job_is_404(hf_stack):

@@ -94,7 +94,6 @@ class HFEngine(Engine):
             self.capacity,
             settings.background_step_every,
             prefill_budget=settings.max_prefill_tokens,
-            chunk_block=settings.prefix_block_tokens if settings.prefix_cache_gib != 0 else 0,
             cached=lambda seq: self.runner.cached(seq),
             missing=lambda seq: self.runner.missing(seq),
         )
@@ -218,6 +217,7 @@ class HFEngine(Engine):
             self.prefix = PrefixCache.for_kv(kv, budget, block) if budget else None
             log.info("prefix cache: %s", f"{budget / (1 << 30):.2f} GiB" if budget else "off")
             self.runner = ModelRunner(self.lm, kv, device, self.eos, tok=self.tok, prefix=self.prefix)
+            self.scheduler.chunk_block = self.runner.block if self.runner.prefix else 0  # chunks live in the cache
             if pack:
                 log.info("linear layers: %s", packed.pack(self.lm))
         except BaseException as exc:  # the constructor raises it; this thread ends
