@@ -66,7 +66,7 @@ class ModelRunner:
         at = active
         for r, (seq, n) in enumerate(zip(admit, lengths)):
             n -= cached[r]
-            if seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None:
+            if self._wants_prompt_logprobs(seq):
                 spans[r] = len(keep)
                 keep.extend(range(at, at + n))
             else:
@@ -112,11 +112,20 @@ class ModelRunner:
         self.prefix.store(kv, 0, fed, seq.blocks)
         kv.select([])
 
+    @staticmethod
+    def _wants_prompt_logprobs(seq: Seq) -> bool:
+        """Its prefill must compute every prompt position's logits (its first one)."""
+        return seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None
+
+    def _caches(self, seq: Seq) -> bool:
+        """Whether `seq`'s prefill may take its prefix from the cache."""
+        return self.prefix is not None and not self._wants_prompt_logprobs(seq)
+
     def _lookup(self, seq: Seq, fed: list[int]) -> list[int]:
         """The prefix cache's blocks for `seq`'s first tokens (none for a job that wants its
         prompt's logprobs: every position must be computed); a job's first prefill counts in
         the cache's queries and hits, as vLLM's."""
-        if self.prefix is None or (seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None):
+        if not self._caches(seq):
             return []
         blocks = self.prefix.match(fed, seq.blocks)
         if not seq.looked:
@@ -128,7 +137,7 @@ class ModelRunner:
     def missing(self, seq: Seq) -> bytes | None:
         """The name of the first block of `seq`'s tokens that the prefix cache could give but
         lacks (None: it lacks none, or the job would not use it)."""
-        if self.prefix is None or (seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None):
+        if not self._caches(seq):
             return None
         fed = seq.fed
         found = self.prefix.peek(fed, seq.blocks)
@@ -136,7 +145,7 @@ class ModelRunner:
 
     def cached(self, seq: Seq) -> int:
         """How many of `seq`'s tokens the prefix cache holds now, as a prefill would use them."""
-        if self.prefix is None or (seq.spec.params.prompt_logprobs is not None and seq.prompt_lp is None):
+        if not self._caches(seq):
             return 0
         return self.prefix.peek(seq.fed, seq.blocks) * self.block
 
