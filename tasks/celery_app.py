@@ -64,6 +64,7 @@ TOKENIZE_TASK = "genq.tokenize"
 # channel can still reach the master (tasks/kombu_compat.py).
 kombu_compat.reuse_channel_clients()
 kombu_compat.remember_sentinels()
+kombu_compat.unlane_restores()
 
 PRIORITY_STEPS = list(range(PRIORITY_MAX - PRIORITY_MIN + 1))
 

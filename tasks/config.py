@@ -167,6 +167,21 @@ class WorkerSettings(_Env):
         10.0, gt=0, description="seconds between a worker's checks for jobs whose messages were lost"
     )
     workers: int = Field(1, ge=1, le=64, description="make run: worker processes per engine (scripts/stack.py)")
+    placement: bool = Field(
+        True,
+        description="cache-aware placement: with several workers of a model, a job whose prompt starts "
+        "like one a worker ran lately goes to that worker's own lane, where its prefix cache holds the "
+        "prefix (tasks/placement.py)",
+    )
+    placement_min_chars: int = Field(
+        1024, ge=1, description="placement: the shortest prompt prefix (characters) worth sending to one worker"
+    )
+    placement_max_waiting: int = Field(
+        4,
+        ge=1,
+        description="placement: a worker with this many jobs waiting in its lane is too busy; the job goes to "
+        "the shared queue, where any worker takes it",
+    )
 
 
 class ObservabilitySettings(_Env):

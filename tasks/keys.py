@@ -28,6 +28,30 @@ def asks(queue: str) -> str:
     return f"{PREFIX}:asks:{queue}"
 
 
+# Cache-aware placement (tasks/placement.py). A worker's own lane of its model's queue: the
+# Celery queue (and kombu's lists) that only it consumes, beside the shared one.
+LANE_SEP = "~"
+
+
+def lane(queue: str, worker: str) -> str:
+    return f"{queue}{LANE_SEP}{worker}"
+
+
+def unlane(queue: str) -> str:
+    """The shared queue of a lane (a shared queue is its own)."""
+    return queue.split(LANE_SEP, 1)[0]
+
+
+# worker name -> "<its shared queue>\t<Redis time of its last heartbeat>": the lanes that may
+# hold messages, which recovery drains into the shared queue once their worker is gone.
+LANES = f"{PREFIX}:lanes"
+
+
+def placed(queue: str, digest: str) -> str:
+    """Which worker of a queue last ran a job whose prompt starts with the text `digest` names."""
+    return f"{PREFIX}:placed:{queue}:{digest}"
+
+
 WORKERS = f"{PREFIX}:workers"
 WORKERS_SEEN = f"{PREFIX}:workers:seen"
 # The last Redis outage a worker's heartbeat lived through (tasks/registry.py): start, end.

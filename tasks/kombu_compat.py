@@ -11,6 +11,8 @@
 - `build_message`: a task message built by hand (Celery's `amqp.as_task_v2`, kombu's Redis
   envelope and priority list, Celery's publish signals and task-sent event), so that the API
   pushes it in the Lua call that records the job (tasks/celery_app.py `job_message`).
+- `unlane_restores`: `Channel._do_restore_message`, every restore's way back to a queue: a
+  message restored from a worker's lane goes to the shared queue (tasks/placement.py).
 - `priority_lists`, `forget_unacked`, `restore_message`: the channel's private
   `_q_for_pri`, `QoS._remove_from_indices` and `_do_restore_message`, for worker/recovery.py.
 """
@@ -29,6 +31,8 @@ from datetime import UTC, datetime
 import redis
 from celery import Celery, signals
 from kombu.transport import redis as kombu_redis
+
+from tasks import keys
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +181,23 @@ def guard_restores(running_tags: Callable[[], Collection[str]]) -> None:
 
     restore_unacked.genq_guarded = True
     kombu_redis.QoS.restore_unacked = restore_unacked
+
+
+def unlane_restores() -> None:
+    """Every restore of a message (a closed channel's, the visibility timeout's, recovery's)
+    goes through kombu's `_do_restore_message`: one received from a worker's lane goes back to
+    the shared queue instead, where any worker takes it (the lane's worker may be gone)."""
+    if getattr(kombu_redis.Channel, "_genq_unlanes", False):
+        return
+    restore = kombu_redis.Channel._do_restore_message
+
+    def _do_restore_message(self, payload, exchange, routing_key, pipe, leftmost=False):
+        if routing_key and keys.LANE_SEP in routing_key:
+            exchange, routing_key = "", keys.unlane(routing_key)  # the anonymous exchange: the queue itself
+        return restore(self, payload, exchange, routing_key, pipe, leftmost)
+
+    kombu_redis.Channel._do_restore_message = _do_restore_message
+    kombu_redis.Channel._genq_unlanes = True
 
 
 # -- the channel's internals worker/recovery.py restores messages with -----------------------

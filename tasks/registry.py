@@ -69,6 +69,11 @@ class WorkerInfo(BaseModel):
     )
     device: str = Field("cpu", description="where its engine runs the model: cpu, cuda:N")
     metrics_port: int | None = Field(None, description="its Prometheus exporter's port (worker/metrics.py)")
+    lane: bool = Field(
+        False,
+        description="it consumes a lane of its own beside the shared queue: the API may place jobs whose "
+        "prefix it holds there (tasks/placement.py)",
+    )
     draining: bool = Field(False, description="shutting down: finishes its jobs, takes no new calls")
 
 

@@ -22,10 +22,11 @@ from flask import current_app
 from kombu.exceptions import KombuError
 
 from tasks import keys
-from tasks.celery_app import job_message
+from tasks.celery_app import PRIORITY_STEPS, job_message
 from tasks.config import Settings, queue_for
 from tasks.jobs import RESULT_RAW, JobStore, QuotaExceeded, decode_record
 from tasks.kombu_compat import send_sent_events
+from tasks.placement import Placement
 from tasks.registry import Registry, WorkerInfo
 from tasks.schemas import ChatOptions, JobSpec, JobStatus, SamplingParams
 from tasks.streams import StreamEnd, TokenEvent, follow
@@ -91,6 +92,9 @@ class JobService:
         self.celery = celery
         self.store = JobStore(client, settings.result_ttl, blocking=self.blocking)
         self.registry = Registry(client, settings.heartbeat_ttl)
+        self.placement = Placement(
+            client, len(PRIORITY_STEPS), settings.placement_min_chars, settings.placement_max_waiting
+        )
         self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
         self._workers_lock = threading.Lock()
         # The Redis outage this process saw itself (tasks/registry.py): Redis's time of the
@@ -255,8 +259,9 @@ class JobService:
             )
             for k, p in enumerate(prompts)
         ]
-        # The jobs' messages go onto the queue in the call that records them.
-        messages = [job_message(self.celery, spec, queue) for spec in specs]
+        # The jobs' messages go onto the queue (or a worker's lane) in the call that records them.
+        lanes = self._lanes(specs, queue, model)
+        messages = [job_message(self.celery, spec, lane) for spec, lane in zip(specs, lanes, strict=True)]
         try:
             created, depth = self.store.create(
                 specs,
@@ -289,6 +294,29 @@ class JobService:
             except (KombuError, redis.RedisError, OSError) as exc:
                 log.warning("could not send the task-sent events of %d jobs: %s", len(messages), exc)
         return [s.id for s in specs]
+
+    def _lanes(self, specs: list[JobSpec], queue: str, model: str) -> list[str]:
+        """Cache-aware placement (tasks/placement.py): the queue each job goes to, a worker's
+        lane where that worker holds the job's prefix, else `queue`. Only with two or more
+        workers that take placed jobs: with one, every job meets its cache."""
+        lanes = [queue] * len(specs)
+        if not self.settings.placement:
+            return lanes
+        names = [w.name for w in self.workers_for(model) if w.lane and not w.draining]
+        if len(names) < 2:
+            return lanes
+        chosen: dict[object, str] = {}  # one look per distinct prompt (n > 1 siblings share one)
+        for i, spec in enumerate(specs):
+            prompt = spec.prompt if spec.prompt_token_ids is None else tuple(spec.prompt_token_ids)
+            if prompt not in chosen:
+                try:
+                    worker = self.placement.choose(spec, queue, names)
+                except BROKER_ERRORS as exc:  # a guess lost: the shared queue serves it
+                    log.warning("placement lookup failed: %s", exc)
+                    return lanes
+                chosen[prompt] = keys.lane(queue, worker) if worker else queue
+            lanes[i] = chosen[prompt]
+        return lanes
 
     # -- outcomes --------------------------------------------------------------------------
 

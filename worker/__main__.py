@@ -21,11 +21,12 @@ from kombu.exceptions import KombuError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from tasks import logs, redis_conn
-from tasks.celery_app import WORKER_REDIS_RETRY_S, make_celery
+from tasks import keys, logs, redis_conn
+from tasks.celery_app import PRIORITY_STEPS, WORKER_REDIS_RETRY_S, make_celery
 from tasks.config import get_settings, queue_for
 from tasks.jobs import JobStore
 from tasks.kombu_compat import guard_restores
+from tasks.placement import Placement
 from tasks.registry import Registry, WorkerInfo
 from worker import chatbound, metrics, tasks, tokenbound
 from worker.asks import Answerers
@@ -68,6 +69,7 @@ class Heartbeat(threading.Thread):
             called = time.monotonic()
             try:
                 now, prev = self.registry.announce(self.info)
+                self.reaper.keep_lane()
                 held = time.monotonic() - called
                 if failed or prev is None or now - prev > self.gap:
                     if prev is not None and (failed or held > self.gap):
@@ -151,7 +153,18 @@ def main() -> None:
     token_bound = tokenbound.bound_of(tok) if tok is not None and engine.max_model_len else None
     # ... and a conversation by this one on its template's tokens (without it, each is counted).
     chat_bound = chatbound.measure(chat) if token_bound is not None and token_bound.per_byte is not None else None
-    WorkerTask.equip(engine=engine, store=store, worker_name=name, publisher=publisher, chat=chat)
+    # Jobs whose prefix this worker's cache holds may come through a lane of its own (tasks/placement.py).
+    lane = settings.placement and engine.caches_prefixes
+    placement = Placement(client, len(PRIORITY_STEPS), settings.placement_min_chars, settings.placement_max_waiting)
+    WorkerTask.equip(
+        engine=engine,
+        store=store,
+        worker_name=name,
+        publisher=publisher,
+        chat=chat,
+        placement=placement if lane else None,
+        queue=queue,
+    )
     app = make_celery(settings)
     # A successful result and its job's status go to Redis in one call (tasks/backend.py).
     app.backend.job_store = store
@@ -173,10 +186,13 @@ def main() -> None:
         answers_asks=True,
         device=engine.device,
         metrics_port=metrics_port,
+        lane=lane,
     )
     registry = Registry(client, settings.heartbeat_ttl)
     running = WorkerTask.running
-    reaper = Reaper(app, store, registry, name, queue, running=lambda: running.copy().keys())
+    reaper = Reaper(
+        app, store, registry, name, queue, running=lambda: running.copy().keys(), placement=placement, lane=lane
+    )
     heartbeat = Heartbeat(registry, info, settings.heartbeat_interval, reaper, settings.reconcile_interval)
     # The API's questions (/tokenize, prompt counts at submit) on threads beside Celery's: never
     # behind the jobs that fill its threads (worker/asks.py).
@@ -203,6 +219,11 @@ def main() -> None:
     @worker_shutdown.connect(weak=False)
     def _close(**_):
         heartbeat.stop()
+        if lane:
+            try:  # what still waits in our lane goes to the shared queue (the reconcilers also would)
+                placement.drain(name)
+            except redis.RedisError as exc:
+                log.warning("could not give our lane's jobs to the shared queue: %s", exc)
         answerers.stop()
         WorkerTask.watch.stop()
         engine.close()
@@ -217,7 +238,7 @@ def main() -> None:
             "worker",
             "--pool=threads",
             f"--concurrency={engine.capacity + engine.reserved}",
-            f"--queues={queue}",
+            f"--queues={queue}" + (f",{keys.lane(queue, name)}" if lane else ""),
             f"--hostname={name}",
             f"--loglevel={os.environ.get('GENQ_LOG_LEVEL', 'INFO')}",
             "--without-gossip",

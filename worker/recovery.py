@@ -53,6 +53,11 @@ down; `guard_restores` (tasks/kombu_compat.py) makes it wait for Redis instead, 
 messages of jobs this worker is running where they are (it finishes and acks them once Redis
 is back): restoring them would run every job twice.
 
+A worker's own lane (cache-aware placement, tasks/placement.py) is drained into its shared
+queue when the worker is found dead on a sweep, and on every reconcile for any lane whose worker
+is gone from the registry; a restore never goes to a lane (tasks/kombu_compat.py
+`unlane_restores`), and the reconciler counts a lane's messages as on its queue.
+
 The visibility timeout stays as the last resort.
 """
 
@@ -71,6 +76,7 @@ from tasks import keys
 from tasks.celery_app import PRIORITY_STEPS, publish_job
 from tasks.jobs import JobStore
 from tasks.kombu_compat import forget_unacked, priority_lists, restore_message
+from tasks.placement import Placement
 from tasks.registry import Registry
 from tasks.schemas import JobStatus
 
@@ -86,11 +92,16 @@ class Reaper:
         me: str,
         queue: str = "",
         running: Callable[[], Collection[str]] = tuple,
+        placement: Placement | None = None,
+        lane: bool = False,
     ):
         """`queue`: the queue this worker consumes, whose queued jobs it reconciles;
-        `running`: the ids of the jobs this process is running."""
+        `running`: the ids of the jobs this process is running; `lane`: it also consumes a
+        lane of its own (tasks/placement.py), kept registered by `keep_lane`."""
         self.app, self.store, self.registry, self.me = app, store, registry, me
         self.queue, self.running = queue, running
+        self.placement = placement or Placement(store.r, len(PRIORITY_STEPS))
+        self.lane = lane
         self._conn = None
         # Jobs found adrift on the last reconcile pass; acted on when found so again.
         self._adrift: set[str] = set()
@@ -107,8 +118,25 @@ class Reaper:
             if name == self.me:
                 continue
             restored += self.recover(name)
+            self.placement.drain(name)  # after recover: nothing restores into a lane
             self.registry.forget(name, seen)
         return restored
+
+    def keep_lane(self) -> None:
+        """On each heartbeat: this worker's lane is registered, and alive."""
+        if self.lane and self.queue:
+            self.placement.keep_lane(self.me, self.queue)
+
+    def drain_lanes(self, live: Collection[str]) -> int:
+        """Give the jobs waiting in the lanes of workers not in `live` to their shared queues."""
+        moved = 0
+        for worker in self.placement.lanes():
+            if worker not in live and worker != self.me:
+                n = self.placement.drain(worker)
+                if n:
+                    log.warning("worker %s is gone; %d jobs waiting in its lane moved to the shared queue", worker, n)
+                moved += n
+        return moved
 
     def recover(self, worker: str) -> int:
         inflight = self.store.r.hgetall(keys.inflight(worker))
@@ -180,6 +208,7 @@ class Reaper:
         """One pass: publish again what is adrift on two passes in a row; returns how many."""
         adrift: dict[str, Callable[[], bool]] = {}
         live = set(self.registry.r.hkeys(keys.WORKERS))
+        self.drain_lanes(live)
         for key in self.store.r.scan_iter(match=keys.inflight("*"), count=100):
             worker = key[len(keys.inflight("")) :]
             if worker == self.me:
@@ -258,10 +287,11 @@ class Reaper:
 
     def _held(self, queue: str) -> tuple[set[str], dict[str, tuple[str, float]]]:
         """What the broker holds for `queue`, in one atomic look: the ids of the jobs whose
-        messages wait in one of its priority lists, and those delivered and not acknowledged
-        (any queue's), with their delivery tags and times."""
+        messages wait in one of its priority lists (its lanes' included), and those delivered
+        and not acknowledged (any queue's), with their delivery tags and times."""
         channel = self._channel()
-        lists = priority_lists(channel, queue, PRIORITY_STEPS)
+        lanes = [keys.lane(queue, w) for w, shared in self.placement.lanes().items() if shared == queue]
+        lists = [name for q in (queue, *lanes) for name in priority_lists(channel, q, PRIORITY_STEPS)]
         with channel.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=True)
             for name in lists:

@@ -26,6 +26,7 @@ from celery.signals import task_postrun, task_revoked
 from tasks import keys
 from tasks.celery_app import GENERATE_TASK, TOKENIZE_TASK
 from tasks.jobs import ACTIVE, Attempt, JobStore
+from tasks.placement import Placement
 from tasks.schemas import GenerationResult, JobSpec, JobStatus
 from worker import metrics
 from worker.cancels import CancelWatch
@@ -54,6 +55,8 @@ class WorkerTask(Task):
     worker_name: str
     publisher: StreamPublisher | None
     chat: Chat | None
+    placement: Placement | None = None
+    queue: str = ""
     watch: CancelWatch
     # The jobs this process is running (or about to start): job id -> delivery tag.
     # Recovery compares it with the in-flight hash Redis holds for this worker.
@@ -70,9 +73,14 @@ class WorkerTask(Task):
         worker_name: str,
         publisher: StreamPublisher | None = None,
         chat: Chat | None = None,
+        placement: Placement | None = None,
+        queue: str = "",
     ) -> None:
+        """`placement`: where this worker notes the prefixes of the jobs it runs, so that the
+        API places later jobs with those prefixes in its lane (None: it has no lane)."""
         cls.engine, cls.store, cls.worker_name = engine, store, worker_name
         cls.publisher, cls.chat = publisher, chat
+        cls.placement, cls.queue = placement, queue
         cls.watch = CancelWatch(store, engine, CANCEL_POLL_S)
         cls.running = {}
         cls.gate = Gate()
@@ -90,6 +98,15 @@ class WorkerTask(Task):
             raise Ignore() from None
         finally:
             self.watch.unwatch(spec.id)
+
+    def _place(self, spec: JobSpec) -> None:
+        """Note that this worker holds the job's prefixes from now on (tasks/placement.py)."""
+        if self.placement is None:
+            return
+        try:
+            self.placement.record(spec, self.queue, self.worker_name)
+        except redis.RedisError as exc:  # a guess lost, nothing more
+            log.warning("could not note job %s's prefixes for placement: %s", spec.id, exc)
 
     def _still_ours(self, job_id: str, attempt: int) -> bool:
         """Whether a job waiting to go into the engine should still run: neither cancelled nor
@@ -131,6 +148,7 @@ def register(app: Celery) -> None:
             raise Ignore()
         self.request.genq_attempt = attempt.number
         metrics.job_started(spec, attempt.number, self.request)
+        self._place(spec)
         publisher = self.publisher
         if publisher is not None and spec.stream:
             publisher.attempts[spec.id] = attempt.number

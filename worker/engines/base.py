@@ -55,6 +55,9 @@ class Engine(abc.ABC):
     model: str
     max_model_len: int | None = None
     device: str = "cpu"  # where the model runs (vLLM's engine: as it chose)
+    # Whether a prompt's prefix outlives its job here (a prefix cache): the worker then takes
+    # jobs placed on it by their prefix (tasks/placement.py).
+    caches_prefixes: bool = False
     job_timeout: float = 600.0
 
     def time_limit(self, spec: JobSpec) -> tuple[float, str]:

@@ -215,6 +215,7 @@ class HFEngine(Engine):
             log.info("the batch's KV cache: at most %.2f GiB", kv_budget / (1 << 30))
             budget = prefix.default_budget(device) if gib is None else int(gib * (1 << 30))
             self.prefix = PrefixCache.for_kv(kv, budget, block) if budget else None
+            self.caches_prefixes = self.prefix is not None
             log.info("prefix cache: %s", f"{budget / (1 << 30):.2f} GiB" if budget else "off")
             self.runner = ModelRunner(self.lm, kv, device, self.eos, tok=self.tok, prefix=self.prefix)
             self.scheduler.chunk_block = self.runner.block if self.runner.prefix else 0  # chunks live in the cache

@@ -80,6 +80,9 @@ class VLLMEngine(Engine):
 
         self.llm = asyncio.run_coroutine_threadsafe(_start(), self.loop).result()
         self.max_model_len = self.llm.model_config.max_model_len
+        # vLLM's automatic prefix caching (on by default in its V1 engine).
+        cache = getattr(getattr(self.llm, "vllm_config", None), "cache_config", None)
+        self.caches_prefixes = bool(getattr(cache, "enable_prefix_caching", False))
         self.device = "cuda" if _has_gpu() else "cpu"  # vLLM's own placement (its workers' GPUs)
 
     def submit(self, spec: JobSpec) -> Future[GenerationResult]:
