@@ -24,7 +24,8 @@ from transformers import AutoTokenizer
 
 from scripts import stack
 from tasks.schemas import SamplingParams, StructuredOutput
-from worker.engines.logits import RowProcessors, sample
+from worker.engines.logits import RowProcessors
+from worker.engines.sampling import sample
 
 ROWS = 32
 SCHEMA = {

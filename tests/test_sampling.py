@@ -1,4 +1,4 @@
-"""The hf engine's batched sampler (worker.engines.logits.sample), statistically: the tokens it
+"""The hf engine's batched sampler (worker.engines.sampling.sample), statistically: the tokens it
 draws follow softmax(logits / temperature), restricted by top-k and top-p as transformers'
 warpers restrict them; greedy rows beside sampled ones stay argmax; a seeded row draws the
 same tokens whatever else is in the batch. Pure tensor logic: no model needed."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tasks.schemas import SamplingParams
-from worker.engines.logits import sample
+from worker.engines.sampling import sample
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
 DRAWS = 20_000
@@ -103,7 +103,7 @@ def test_a_seeded_row_draws_the_same_whatever_the_batch():
 def test_the_nucleus_is_the_one_a_full_sort_gives():
     """Small nuclei (found among the first look's tokens) and large ones (a flat distribution:
     the whole vocabulary is sorted) equal the sort-based computation of transformers' warper."""
-    from worker.engines.logits import NUCLEUS_FIRST_LOOK, nucleus
+    from worker.engines.sampling import NUCLEUS_FIRST_LOOK, nucleus
 
     gen = torch.Generator().manual_seed(3)
     vocab = 4 * NUCLEUS_FIRST_LOOK

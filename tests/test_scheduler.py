@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
 from tasks.schemas import JobSpec, SamplingParams
+from worker.engines.rows import Rows, fill_holes
 from worker.engines.scheduler import Scheduler, Seq
 
 
@@ -28,9 +30,8 @@ def run(s: Scheduler, *seqs: Seq):
         s.submit(x)
     plan = s.take(timeout=0)
     if plan.preempt:
-        s.reorder([i for i in range(len(s.rows)) if i not in plan.preempt])
-    s.joined(plan.admit)
-    s.partition()
+        s.rows.keep([i for i in range(len(s.rows)) if i not in plan.preempt])
+    s.rows.join(plan.admit)
     return plan
 
 
@@ -48,7 +49,7 @@ def test_admits_foreground_first_while_rows_are_free_and_the_rest_wait():
     plan = run(s, seq("bg", background=True), seq("a"), seq("b"))
     assert names(plan.admit) == ["a", "b"] and names(s.waiting) == ["bg"]
     assert s.take(timeout=0).admit == []  # no free row
-    s.reorder([1])  # "a" finished
+    s.rows.keep([1])  # "a" finished
     assert names(s.take(timeout=0).admit) == ["bg"]
 
 
@@ -61,7 +62,7 @@ def test_a_foreground_job_preempts_the_cheapest_background_row():
     assert s.preemptions == 1
     # The preempted row comes back before other background jobs once a row frees.
     s.submit(seq("later", True))
-    s.reorder([0, 1])
+    s.rows.keep([0, 1])
     assert names(s.take(timeout=0).admit) == ["short"]
 
 
@@ -87,17 +88,58 @@ def test_reap_cancelled_and_late_jobs_running_waiting_or_new():
         ("wait", "timeout"),
     ]
     assert keep == [] and new == [] and s.waiting == []
-    s.reorder(keep)  # as the engine does once the KV cache has dropped them
+    s.rows.keep(keep)  # as the engine does
     assert s.reap([]) == ([], None)  # nothing more: every row stays
 
 
-def test_partition_swaps_late_foreground_rows_with_early_background_ones():
-    s = Scheduler(capacity=4)
-    s.joined([seq("b1", True), seq("f1"), seq("b2", True), seq("f2")])
-    late, early = s.partition()
-    assert (late, early) == ([3], [0])
-    assert names(s.rows) == ["f2", "f1", "b2", "b1"] and s.fg == 2
-    assert s.partition() == ([], [])
+class Mirror:
+    """A follower of the rows (as the KV cache and the runner are) holding their names."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.swaps: list[tuple[list[int], list[int]]] = []
+
+    def move(self, order: list[int]) -> None:
+        self.names = [self.names[i] for i in order]
+
+    def swap(self, a: list[int], b: list[int]) -> None:
+        self.swaps.append((a, b))
+        for x, y in zip(a, b):
+            self.names[x], self.names[y] = self.names[y], self.names[x]
+
+
+def test_joining_rows_go_foreground_first_and_followers_swap_the_same():
+    rows, mirror = Rows(), Mirror()
+    rows.follow(mirror)
+    joining = [seq("b1", True), seq("f1"), seq("b2", True), seq("f2")]
+    mirror.names += names(joining)  # the forward put their keys/values after the running rows
+    rows.join(joining)
+    assert names(rows) == ["f2", "f1", "b2", "b1"] and rows.fg == 2
+    assert mirror.swaps == [([3], [0])] and mirror.names == names(rows)
+    assert rows.partition() == ([], [])
+
+
+def test_every_follower_ends_every_step_in_the_rows_order():
+    """The one owner of the batch's order: after any joins and leaves (the last rows move into
+    the holes, foreground rows go first), a follower that applied the same moves holds the
+    same rows, in the same order."""
+    rng = random.Random(31)
+    for trial in range(200):
+        rows, mirror = Rows(), Mirror()
+        rows.follow(mirror)
+        made = 0
+        for _ in range(rng.randrange(1, 12)):
+            if rows and rng.random() < 0.5:
+                keep = sorted(rng.sample(range(len(rows)), rng.randrange(len(rows) + 1)))
+                rows.keep(keep)
+            else:
+                joining = [seq(f"j{made + k}", background=rng.random() < 0.5) for k in range(rng.randrange(1, 4))]
+                made += len(joining)
+                mirror.names += names(joining)
+                rows.join(joining)
+            assert mirror.names == names(rows), trial
+            assert all(not r.background for r in rows[: rows.fg]) and all(r.background for r in rows[rows.fg :])
+        assert fill_holes([0, 2, 5], 6) == [0, 5, 2]  # the last row into the first hole
 
 
 def test_background_rows_step_once_in_background_every_while_foreground_runs():
@@ -106,8 +148,7 @@ def test_background_rows_step_once_in_background_every_while_foreground_runs():
     steps = [s.decode_rows() for _ in range(6)]
     assert steps == [1, 1, 2, 1, 1, 2]
     assert s.rows[0].batch_peak == 2 and s.rows[1].batch_peak == 2
-    s.reorder([1])  # the foreground job finished: the background one steps every time
-    s.partition()
+    s.rows.keep([1])  # the foreground job finished: the background one steps every time
     assert [s.decode_rows() for _ in range(3)] == [1, 1, 1]
 
 
@@ -115,7 +156,7 @@ def test_drain_returns_every_job_held():
     s = Scheduler(capacity=1)
     run(s, seq("a"), seq("b"))
     s.submit(seq("c"))
-    assert sorted(names(s.drain())) == ["a", "b", "c"] and s.rows == []
+    assert sorted(names(s.drain())) == ["a", "b", "c"] and len(s.rows) == 0
 
 
 def test_a_step_s_prompt_tokens_stay_in_the_budget_and_the_rest_is_a_chunk():

@@ -16,7 +16,8 @@ import torch
 from transformers import AutoTokenizer
 
 from tasks.schemas import SamplingParams, StructuredOutput
-from worker.engines.logits import RowProcessors, bad_word_ids, sample
+from worker.engines.logits import RowProcessors, bad_word_ids
+from worker.engines.sampling import sample
 
 PROMPT = "Hello, my name is"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -34,7 +34,7 @@ from worker.engines.logits import check
 from worker.engines.output import OutputProcessor
 from worker.engines.prefix import PrefixCache
 from worker.engines.runner import ModelRunner
-from worker.engines.scheduler import Scheduler, Seq
+from worker.engines.scheduler import Admission, Scheduler, Seq
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,17 @@ class StepStats:
     preempted: int = 0
     queries: int = 0  # prompt tokens looked up in the prefix cache ...
     hits: int = 0  # ... and found there
+
+
+@dataclass
+class _Work:
+    """What one step runs: the admitted jobs (they join), the partial ones (a chunk of their
+    prompts), the rows that decode (the first ones, as the scheduler chose)."""
+
+    admit: list[Seq]
+    partial: list[Seq]
+    stats: StepStats
+    decode: list[Seq] = field(default_factory=list)
 
 
 class HFEngine(Engine):
@@ -218,6 +229,8 @@ class HFEngine(Engine):
             self.caches_prefixes = self.prefix is not None
             log.info("prefix cache: %s", f"{budget / (1 << 30):.2f} GiB" if budget else "off")
             self.runner = ModelRunner(self.lm, kv, device, self.eos, tok=self.tok, prefix=self.prefix)
+            self.scheduler.rows.follow(kv)  # the rows' order is the scheduler's (worker/engines/rows.py) ...
+            self.scheduler.rows.follow(self.runner)  # ... and the runner's per-row state moves with them
             self.scheduler.chunk_block = self.runner.block if self.runner.prefix else 0  # chunks live in the cache
             if pack:
                 log.info("linear layers: %s", packed.pack(self.lm))
@@ -234,7 +247,7 @@ class HFEngine(Engine):
             while not self._closed.is_set():
                 plan = self.scheduler.take()
                 try:
-                    stats = self.step(plan.preempt, plan.admit, plan.partial)
+                    stats = self.step(plan)
                 except Exception as exc:  # a failed forward fails its batch, not the worker
                     log.exception("engine step failed")
                     self._fail_batch(plan.admit + plan.partial, GenerationError("engine_error", repr(exc)))
@@ -247,70 +260,63 @@ class HFEngine(Engine):
             if not seq.future.done():
                 seq.future.set_exception(GenerationError("engine_closed", "the worker stopped"))
 
-    def step(self, preempt: list[int], admit: list[Seq], partial: list[Seq] = ()) -> StepStats:
-        """schedule -> execute -> update: take out the preempted rows and the jobs that leave,
-        then one forward that decodes the running rows and prefills the admitted jobs, which
-        join the batch (their first tokens go out at once), and a chunk of the `partial` jobs'
-        prompts, which wait again for their next chunk."""
-        stats = StepStats(preempted=len(preempt))
-        if preempt:
-            self._keep([i for i in range(len(self.scheduler.rows)) if i not in set(preempt)])
-        partial = list(partial)
-        gone, keep = self.scheduler.reap(admit, partial)
+    def step(self, plan: Admission) -> StepStats:
+        """schedule -> execute -> update, as vLLM's engine core: the rows that leave before the
+        forward do, one forward decodes the running rows, prefills the admitted jobs and a
+        chunk of the partial ones, and its tokens go out (rows whose jobs end leave)."""
+        work = self._schedule(plan)
+        if work.admit or work.decode or work.partial:
+            looked = (self.prefix.queries, self.prefix.hits) if self.prefix else (0, 0)
+            decoded, joined = self.runner.step(work.decode, work.admit, work.partial)
+            if self.prefix:
+                work.stats.queries, work.stats.hits = self.prefix.queries - looked[0], self.prefix.hits - looked[1]
+            self._update(work, decoded, joined)
+        self._flush()
+        return work.stats
+
+    def _schedule(self, plan: Admission) -> _Work:
+        """Before the forward: the preempted rows leave (their keys/values kept in the prefix
+        cache), cancelled and expired jobs leave (running, admitted or partial), and the rows
+        that decode this step are chosen."""
+        rows = self.scheduler.rows
+        work = _Work(list(plan.admit), list(plan.partial), StepStats(preempted=len(plan.preempt)))
+        if plan.preempt:
+            self._leave({rows[i] for i in plan.preempt})
+        gone, keep = self.scheduler.reap(work.admit, work.partial)
         for seq, why in gone:
             self.output.fail(seq, why)
         if keep is not None:
-            self._keep(keep)
-        running = len(self.scheduler.rows)
-        if admit or running or partial:
-            active = self.scheduler.decode_rows() if running else 0
-            looked = (self.prefix.queries, self.prefix.hits) if self.prefix else (0, 0)
-            decoded, joined = self.runner.step(self.scheduler.rows[:active], admit, partial)
-            for seq in partial:
-                seq.prefilled, seq.chunk = seq.chunk, None
-            self.scheduler.waiting[:0] = partial
-            if self.prefix:
-                stats.queries, stats.hits = self.prefix.queries - looked[0], self.prefix.hits - looked[1]
-            self.scheduler.joined(admit)
-            for seq in admit:
-                seq.batch_peak = max(seq.batch_peak, active + len(admit))
-            self._update(decoded, joined, running)
-            self._partition()
-            stats.decoded = active
-        self._flush()
-        return stats
+            kept = set(keep)
+            self._leave({s for i, s in enumerate(rows) if i not in kept})
+        if rows:
+            work.decode = rows[: self.scheduler.decode_rows()]
+        return work
 
-    def _update(self, decoded: tuple[list[int], dict], joined: tuple[list[int], dict], running: int) -> None:
-        """One new token for each of the first rows (as many as `decoded` has; the rows after
-        them sat the step out) and for each row from `running` on (the jobs that joined); the
-        rows whose jobs finished leave."""
-        rows = self.scheduler.rows
+    def _update(self, work: _Work, decoded, joined) -> None:
+        """After the forward: one new token for each row that decoded, the first token for each
+        admitted job, whose row now follows the running ones; the partial jobs wait for their
+        next chunk; the rows whose jobs ended leave."""
+        for seq in work.partial:
+            seq.prefilled, seq.chunk = seq.chunk, None
+        self.scheduler.waiting[:0] = work.partial
+        peak = len(work.decode) + len(work.admit)
+        for seq in work.admit:
+            seq.batch_peak = max(seq.batch_peak, peak)
+        self.scheduler.rows.join(work.admit)
         (tokens, lps), (first, first_lps) = decoded, joined
-        keep = []
-        for i, seq in enumerate(rows):
-            if i < len(tokens):
-                stays = self.output.advance(seq, tokens[i], lps.get(i))
-            elif i >= running:
-                stays = self.output.advance(seq, first[i - running], first_lps.get(i - running))
-            else:
-                stays = True
-            if stays:
-                keep.append(i)
-        if len(keep) < len(rows):
-            self._keep(keep)
+        ended = {s for i, s in enumerate(work.decode) if not self.output.advance(s, tokens[i], lps.get(i))}
+        ended |= {s for i, s in enumerate(work.admit) if not self.output.advance(s, first[i], first_lps.get(i))}
+        self._leave(ended)
+        work.stats.decoded = len(work.decode)
 
-    def _keep(self, keep: list[int]) -> None:
-        """Only the rows in `keep` (ascending) stay, foreground ones first; the prefix cache
-        keeps what the others computed."""
-        kept = set(keep)
+    def _leave(self, gone: set[Seq]) -> None:
+        """The rows of the jobs in `gone` leave the batch; the prefix cache keeps what they computed."""
+        if not gone:
+            return
         for i, seq in enumerate(self.scheduler.rows):
-            if i not in kept:
+            if seq in gone:
                 self.runner.remember(i, seq)
-        self.scheduler.reorder(self.runner.select(keep))
-        self._partition()
-
-    def _partition(self) -> None:
-        self.runner.swap(*self.scheduler.partition())
+        self.scheduler.rows.leave(gone)
 
     def _flush(self) -> None:
         events, resolved = self.output.take()
@@ -323,8 +329,7 @@ class HFEngine(Engine):
         _, resolved = self.output.take()
         for future, result in resolved:
             future.set_result(result)
-        for seq in self.scheduler.rows + admitted:
+        for seq in [*self.scheduler.rows, *admitted]:
             if not seq.future.done():
                 seq.future.set_exception(error)
-        self.runner.select([])
-        self.scheduler.rows, self.scheduler.fg = [], 0
+        self.scheduler.rows.keep([])

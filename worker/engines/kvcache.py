@@ -28,6 +28,8 @@ from transformers import AttentionInterface, Cache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from worker.engines.rows import fill_holes
+
 #: The attention implementation name the hf engine's model runs with (`attention` below).
 ATTENTION = "genq"
 _local = threading.local()  # the step being run on this thread (the engine's)
@@ -262,15 +264,18 @@ class SlotKV:
     def select(self, keep: list[int]) -> list[int]:
         """Keep only the rows in `keep` (ascending): the last rows move into the holes the
         others leave. Returns the old index of each row, in the new order."""
-        count = len(keep)
-        order = list(range(count))
-        kept = set(keep)
-        holes = [i for i in range(count) if i not in kept]
-        movers = [i for i in keep if i >= count]
+        order = fill_holes(keep, self.rows)
+        self.move(order)
+        return order
+
+    def move(self, order: list[int]) -> None:
+        """Row i is now old row order[i]; the rows not in `order` are gone (worker/engines/rows.py
+        decides the order; only the rows that move are copied)."""
+        count = len(order)
+        holes = [h for h, m in enumerate(order) if h != m]
         if holes:
-            for h, m in zip(holes, movers):
-                order[h] = m
-            dst, src = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor([order[h] for h in holes], device=self.device)
             s, e = self.start, self.end
             for buf in (*self.k, *self.v):
                 buf[dst, :, s:e] = buf[src, :, s:e]
@@ -278,12 +283,11 @@ class SlotKV:
         self.rows = count
         if count == 0:
             self.start = self.end = 0
-            return order
+            return
         # Columns every remaining row masks (on the left) are out of the window from now on.
         used = self.window_mask().any(0).nonzero()
         if used.numel():
             self.start += int(used[0])
-        return order
 
     # -- buffers -------------------------------------------------------------------------
 

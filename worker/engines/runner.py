@@ -5,9 +5,9 @@ first rows': the others sit the step out) and the arriving jobs' prompts, flatte
 sequence with each token's own position; their keys/values go straight into the batch's cache
 (worker/engines/kvcache.py), so a job that arrives costs no forward of its own. It chooses each
 row's next token on the CPU, through the batch's logits processors where a row asks for them
-(worker/engines/logits.py), with the log-probabilities of the rows that want them. `select`
-and `swap` move rows; the per-row state here (the processors, the next tokens) follows, and the
-caller gets the new order.
+(worker/engines/logits.py), with the log-probabilities of the rows that want them. Its per-row
+state (the next tokens, the processors), like the KV cache's rows, follows the batch's rows
+(`move`, `swap`), whose order worker/engines/rows.py owns.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from worker.engines.kvcache import SlotKV
-from worker.engines.logits import LOGPROB_FLOOR, RowProcessors, logprobs, sample
+from worker.engines.logits import RowProcessors
 from worker.engines.prefix import PrefixCache
+from worker.engines.sampling import LOGPROB_FLOOR, logprobs, sample
 from worker.engines.scheduler import Seq
 
 Step = tuple[list[int], dict]  # each row's token, and {row: (logprob, top)} for the rows that want them
@@ -190,23 +191,19 @@ class ModelRunner:
         self.next = nxt if self.next is None or not rows else torch.cat([self.next, nxt])
         return first.tolist(), lps
 
-    def select(self, keep: list[int]) -> list[int]:
-        """Keep only the rows in `keep` (ascending); returns each row's old index, in the new
-        order (the KV cache moves its last rows into the holes)."""
-        order = self.kv.select(keep)
-        if not keep:
+    # -- the runner's per-row state follows the batch's rows (worker/engines/rows.py) ---------
+
+    def move(self, order: list[int]) -> None:
+        """Row i is now old row order[i]; the others are gone."""
+        if not order:
             self.next, self.procs = None, None
         else:
             self._follow(order)
-        return order
 
     def swap(self, a: list[int], b: list[int]) -> None:
         """Exchange rows a[i] and b[i] (disjoint)."""
-        if not a:
-            return
-        self.kv.swap(a, b)
-        order = list(range(self.kv.rows))
-        for x, y in zip(a, b):
+        order = list(range(self.next.shape[0]))
+        for x, y in zip(a, b, strict=True):
             order[x], order[y] = y, x
         self._follow(order)
 

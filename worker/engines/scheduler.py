@@ -1,8 +1,8 @@
 """The hf engine's scheduler: which jobs run, which wait, which leave, and which rows step.
 
-Plain Python (no torch, no model), tested alone (tests/test_scheduler.py). It keeps the jobs
-in the order of the batch's rows (`rows`, as the KV cache holds them: worker/engines/
-kvcache.py), foreground jobs first, and decides between two decode steps:
+Plain Python (no torch, no model), tested alone (tests/test_scheduler.py). It holds the
+running batch's rows (`rows`: worker/engines/rows.py, the one owner of their order, which the
+KV cache and the runner follow), foreground jobs first, and decides between two decode steps:
 
 - admission: every arrived job while rows are free, foreground ones first;
 - preemption: a foreground job that finds the batch full takes a background row's place at
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.schemas import JobSpec, Logprobs
+from worker.engines.rows import Rows
 
 
 @dataclass(eq=False)
@@ -125,14 +126,18 @@ class Scheduler:
         # arrives never takes the worker past its memory: a job that would waits for rows to
         # leave (one alone always runs).
         self.kv_columns = kv_columns
-        self.rows: list[Seq] = []  # the running batch, in the KV cache's row order
-        self.fg = 0  # foreground rows: the first `fg`
+        self.rows = Rows()  # the running batch; the engine has the KV cache and runner follow it
         self.waiting: list[Seq] = []  # taken from the inbox, no row yet (preempted ones first)
         self.preemptions = 0
         self.steps = 0
         self._inbox: queue.SimpleQueue[Seq | None] = queue.SimpleQueue()
         self._cancel_lock = threading.Lock()
         self._cancelled: set[str] = set()
+
+    @property
+    def fg(self) -> int:
+        """Foreground rows: the first `fg`."""
+        return self.rows.fg
 
     # -- any thread ----------------------------------------------------------------------
 
@@ -250,25 +255,6 @@ class Scheduler:
         keep = [i for i, s in enumerate(self.rows) if not leaves(s)]
         return gone, keep if len(keep) < len(self.rows) else None
 
-    def joined(self, seqs: list[Seq]) -> None:
-        """The admitted jobs' rows now follow the running ones."""
-        self.rows.extend(seqs)
-
-    def reorder(self, order: list[int]) -> None:
-        """Row i is now old row order[i] (the KV cache moved rows: `SlotKV.select`)."""
-        self.rows = [self.rows[i] for i in order]
-
-    def partition(self) -> tuple[list[int], list[int]]:
-        """Put the foreground rows first: the pairs of rows (late foreground, early background)
-        to swap, already swapped here; the KV cache must swap the same."""
-        fg = [i for i, s in enumerate(self.rows) if not s.background]
-        self.fg = len(fg)
-        late = [i for i in fg if i >= self.fg]
-        early = [i for i in range(self.fg) if self.rows[i].background]
-        for a, b in zip(late, early):
-            self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
-        return late, early
-
     def decode_rows(self) -> int:
         """How many rows (the first ones) this decode step feeds: every row, or only the
         foreground ones while they run beside background ones, but on one step in
@@ -283,7 +269,8 @@ class Scheduler:
 
     def drain(self) -> list[Seq]:
         """Every job still held, running, waiting or in the inbox (the engine is closing)."""
-        held, self.rows, self.waiting = self.rows + self.waiting, [], []
+        held, self.waiting = [*self.rows, *self.waiting], []
+        self.rows.keep([])
         while True:
             try:
                 item = self._inbox.get_nowait()
