@@ -321,3 +321,29 @@ def test_the_batch_s_keys_values_stay_in_their_budget(checkpoints):
         assert max(size for _, size in peak) <= eng.runner.kv.max_columns
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_rows_that_share_a_prompt_read_it_once_and_give_generate_text(name, checkpoints, monkeypatch):
+    """Cascade attention: while every running row starts with the same system prompt, their
+    attention reads its keys/values once (from one row) and each row's own columns after it,
+    merged by log-sum-exp; the texts stay generate's, also as rows without it join and leave."""
+    from worker.engines import runner
+
+    monkeypatch.setattr(runner, "CASCADE_MIN_TOKENS", 16)  # the tiny models' context is short
+    path = checkpoints[name]
+    ref = Reference(path)
+    eng = engine(path)
+    try:
+        eng.submit(spec(0, SYSTEM + QUESTIONS[0], 4)).result(timeout=120)  # the prompt is cached
+        jobs = []
+        for i, q in enumerate(QUESTIONS[1:], start=1):
+            prompt = SYSTEM + q if i != 4 else q * 5  # one row shares nothing: no cascade while it runs
+            jobs.append((prompt, 6 + 3 * i, eng.submit(spec(i, prompt, 6 + 3 * i))))
+            if i == 2:
+                wait_rows(eng, 2)
+        for prompt, n, future in jobs:
+            assert future.result(timeout=120).text == ref(prompt, n), (name, prompt)
+        assert eng.runner.kv.cascades > 0
+    finally:
+        eng.close()

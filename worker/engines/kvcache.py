@@ -48,6 +48,10 @@ class _Step:
     gather: torch.Tensor | None  # [joining, queries] flat token index per padded fed slot
     valid: torch.Tensor | None  # [joining * queries] bool: the slots that hold a token
     prefill_mask: torch.Tensor | None  # [joining, 1, queries, width] bool: causal, padding masked
+    # Cascade attention for the running rows (`begin`'s `shared`): (row, its first column, the
+    # shared tokens, the first column any row's own part needs, the own parts' additive mask
+    # [active, 1, 1, columns]); None: every row attends over the whole window.
+    cascade: tuple[int, int, int, int, torch.Tensor] | None = None
 
 
 class _SlotLayer(DynamicLayer):
@@ -96,7 +100,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     step = kv.step
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
     parts = []
-    if step.active:
+    if step.active and step.cascade is not None:
+        parts.append(_cascade(q, key, value, step, kv.end + 1, scaling))
+    elif step.active:
         # Each running row's query heads as the "positions" of its key/value head's group: a
         # grouped-query model's keys/values are read as they are, not repeated per query head.
         r, window = step.active, slice(kv.start, kv.end + 1)
@@ -123,6 +129,32 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     return out.unsqueeze(0), None
 
 
+def _cascade(q, key, value, step: _Step, end: int, scaling) -> torch.Tensor:
+    """The running rows' attention where all of them begin with the same tokens (a shared
+    system prompt): their queries over those tokens' keys/values once, read from one row (every
+    row holds a copy; a decode step's attention on a CPU is the reading of keys/values), and
+    each row's queries over its own part only (the columns after its copy); the two are merged
+    by their log-sum-exps (cascade or bifurcated attention, as FlashInfer's and vLLM's)."""
+    r = step.active
+    row, c0, shared, lo, own_mask = step.cascade
+    heads, dim = key.shape[1], q.shape[-1]
+    grouped = q[:r].reshape(r, heads, -1, dim)  # [rows, kv heads, query heads per kv head, dim]
+    groups = grouped.shape[2]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    # The shared part: each key/value head's queries of every row together, as one sequence.
+    ks, vs = key[row, :, c0 : c0 + shared][None], value[row, :, c0 : c0 + shared][None]
+    qs = grouped.permute(1, 0, 2, 3).reshape(1, heads, r * groups, dim)
+    o1, l1 = flash(qs, ks, vs, 0.0, False, scale=scaling)[:2]
+    o1 = o1.view(heads, r, groups, dim).transpose(0, 1)
+    l1 = l1.view(heads, r, groups).transpose(0, 1)
+    # Each row's own part.
+    o2, l2 = flash(grouped, key[:r, :, lo:end], value[:r, :, lo:end], 0.0, False, attn_mask=own_mask, scale=scaling)[:2]
+    top = torch.maximum(l1, l2)
+    w1, w2 = (l1 - top).exp_().unsqueeze(-1), (l2 - top).exp_().unsqueeze(-1)
+    out = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    return out.to(q.dtype).reshape(r, *q.shape[1:])
+
+
 AttentionInterface.register(ATTENTION, attention)
 
 
@@ -142,6 +174,7 @@ class SlotKV:
         self.device = torch.device(device)
         self.dtype, self.max_rows = dtype, max(1, max_rows)
         self.rows = self.start = self.end = 0
+        self.cascades = 0  # steps whose running rows read a shared prefix once (`begin`'s `shared`)
         self.step: _Step | None = None
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -175,7 +208,7 @@ class SlotKV:
 
     # -- a step ------------------------------------------------------------------------
 
-    def begin(self, active: int, lengths: list[int], cached: list[int] | None = None) -> torch.Tensor:
+    def begin(self, active: int, lengths: list[int], cached: list[int] | None = None, shared: int = 0) -> torch.Tensor:
         """Prepare a step that feeds one token to each of the first `active` rows (the other
         rows sit it out: their column is masked, as left padding is, so they resume later
         exactly where they were) and joins new rows of these lengths after all the rows, of
@@ -183,7 +216,9 @@ class SlotKV:
         the row's first columns (`placement`) before the forward. Returns the step's
         `position_ids` `[1, tokens]` (a running row's: the tokens it has fed so far; a joining
         row's: from its first token fed). The model's forward must follow on this thread, then
-        `finish`."""
+        `finish`. `shared`: the first tokens of every running row that are the same tokens in
+        all of them (their keys/values too): the running rows then attend over them once, in
+        one row, and over their own columns after them (cascade attention, on a CPU)."""
         if not 0 <= active <= self.rows or not (active or lengths):
             raise ValueError(f"SlotKV.begin: {active} of {self.rows} rows active, {len(lengths)} joining")
         cached = cached or [0] * len(lengths)
@@ -212,6 +247,9 @@ class SlotKV:
         step = _Step(active, lo, width, None, None, None, None, None, None)
         if active:
             step.decode_mask = self.mask[:active, self.start : end + 1].bool()[:, None, None, :]
+            if shared and active > 1 and dev.type == "cpu":
+                step.cascade = self._cascade_of(active, shared)
+                self.cascades += step.cascade is not None
         if n:
             step.rows_idx, step.cols_idx = torch.cat(rows), torch.cat(cols)
             # Each joining row's fed tokens, left-padded to `queries`, as indices into the flat
@@ -235,6 +273,23 @@ class SlotKV:
         self.step = step
         _local.kv = self
         return torch.cat(positions).view(1, -1)
+
+    def _cascade_of(self, active: int, shared: int):
+        """`_Step.cascade` for `shared` tokens at the start of each of the first `active` rows,
+        or None where a row does not hold them in its first columns in a row (never expected:
+        a row's prompt is fed into consecutive columns; it only ever sits steps out after)."""
+        s, end = self.start, self.end + 1
+        window = self.mask[:active, s:end]
+        first = window.int().argmax(-1)  # each row's first column holding a token
+        own = first + shared  # ... and the first of its own part
+        cols = torch.arange(end - s, device=self.device)[None, :]
+        copy = (cols >= first[:, None]) & (cols < own[:, None])
+        if not bool(((window > 0) & copy).sum(-1).eq(shared).all()):
+            return None
+        lo = int(own.min())
+        keep = (window[:, lo:] > 0) & (cols[:, lo:] >= own[:, None])
+        mask = torch.zeros(keep.shape, dtype=self.dtype, device=self.device).masked_fill_(~keep, float("-inf"))
+        return 0, s + int(first[0]), shared, s + lo, mask[:, None, None, :]
 
     def placement(self, j: int, length: int) -> tuple[int, int]:
         """During a step: the row and first column of the step's `j`-th joining row (`length`

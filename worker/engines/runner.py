@@ -20,6 +20,10 @@ from worker.engines.prefix import PrefixCache
 from worker.engines.sampling import LOGPROB_FLOOR, logprobs, sample
 from worker.engines.scheduler import Seq
 
+# The fewest tokens that all running rows must share for their attention to read them once
+# (`SlotKV.begin`'s `shared`: cascade attention); below it the plain path costs no more.
+CASCADE_MIN_TOKENS = 256
+
 Step = tuple[list[int], dict]  # each row's token, and {row: (logprob, top)} for the rows that want them
 
 
@@ -54,7 +58,7 @@ class ModelRunner:
         lengths = [len(f) for f in fed]
         hits = [self._lookup(seq, f) for seq, f in zip(admit, fed)]
         cached = [len(h) * self.block for h in hits]
-        positions = self.kv.begin(active, lengths, cached)
+        positions = self.kv.begin(active, lengths, cached, shared=self._shared(running))
         for j, blocks in enumerate(hits):
             if blocks:
                 self.prefix.fill(self.kv, *self.kv.placement(j, lengths[j]), blocks)
@@ -112,6 +116,20 @@ class ModelRunner:
         kv.finish()
         self.prefix.store(kv, 0, fed, seq.blocks)
         kv.select([])
+
+    def _shared(self, running: list[Seq]) -> int:
+        """How many first tokens all the running rows share, in whole prefix-cache blocks (their
+        names chain every token before them), if at least CASCADE_MIN_TOKENS; else 0."""
+        if self.prefix is None or len(running) < 2:
+            return 0
+        chains = [s.blocks for s in running]
+        first, common = chains[0], min(map(len, chains))
+        for n in range(common):
+            if any(c[n] != first[n] for c in chains):
+                common = n
+                break
+        shared = common * self.block
+        return shared if shared >= CASCADE_MIN_TOKENS else 0
 
     @staticmethod
     def _wants_prompt_logprobs(seq: Seq) -> bool:
