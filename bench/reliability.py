@@ -900,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"ignoring {', '.join(ignored)} from the environment")
 
     def measure(procs: Processes, res: dict, outdir: Path) -> None:
-        from worker import devmodels
+        from scripts import devmodels
 
         devmodels.ensure("tiny", stack.TINY_MODEL_DIR)
         db = procs.redis()

@@ -507,7 +507,7 @@ def main() -> int:
         _log = logging.getLogger("genq.launcher")
     env: dict[str, str] = {}
     if not os.environ.get("GENQ_MODEL"):
-        from worker import devmodels
+        from scripts import devmodels
 
         devmodels.ensure("tiny", TINY_MODEL_DIR)
         env["GENQ_MODEL"] = str(TINY_MODEL_DIR)
