@@ -21,6 +21,8 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"

@@ -12,6 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from scripts import devmodels
 
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
+
 TEXTS = [
     "Hello, my name is",
     "The quick brown fox jumps over the lazy dog.\n\tIndented line,   runs of spaces.",
