@@ -3,7 +3,7 @@
 # One image for every genqueue process; docker-compose.yml picks the command:
 #   api:        gunicorn --config python:webapp.gunicorn_conf "webapp:create_app()"   (the default CMD)
 #   worker:     python -m worker
-#   model-init: python -m worker.devmodels --shape tiny --out /models/tiny-opt
+#   model-init: python -m scripts.devmodels --shape tiny --out /models/tiny-opt
 #
 # No model is downloaded at build time: the tiny offline model is built into the
 # `models` volume by the model-init service, and a hub model (GENQ_MODEL=facebook/opt-125m)

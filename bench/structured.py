@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from worker import devmodels
+    from scripts import devmodels
 
     tok = AutoTokenizer.from_pretrained(devmodels.ensure("tiny", stack.TINY_MODEL_DIR))
     print(f"rows={ROWS} steps/round={args.steps} rounds={args.rounds} torch threads=1")

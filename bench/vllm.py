@@ -539,7 +539,7 @@ def render(res: dict) -> str:
     )
     L.append(
         f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
-        f"parameters, worker/devmodels.py); `POST /v1/completions`, temperature 0, max_tokens {MAX_NEW_TOKENS}, "
+        f"parameters, scripts/devmodels.py); `POST /v1/completions`, temperature 0, max_tokens {MAX_NEW_TOKENS}, "
         f"ignore_eos; >= {a['duration']:g} s and >= {a['min_requests']} requests per client per level"
     )
     for k, s in systems.items():

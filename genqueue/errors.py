@@ -1,7 +1,8 @@
 """The exceptions the client raises. Every one is a `GenqError` with `status` (the HTTP status,
 or None when no response came), `code` (the API's error code, e.g. `not_found`) and `message`;
 each subclass below says when it is raised. `from_response` picks the class of an error
-response by its status, `job_error` that of a job that ended without a result.
+response by its status (`of_response` from an httpx response), `job_error` that of a job that
+ended without a result.
 """
 
 from __future__ import annotations
@@ -113,3 +114,12 @@ def from_response(status: int, body: Any, headers: Any = None) -> GenqError:
     else:
         cls = BadRequest
     return cls(status, code, message, body=body)
+
+
+def of_response(resp: Any) -> GenqError:
+    """The exception for an httpx error response: its JSON body, else its text."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = resp.text
+    return from_response(resp.status_code, body, resp.headers)

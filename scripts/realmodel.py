@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts import checkpoint_dirs  # the same lock and swap as the random dev checkpoints
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / ".models" / "smollm2-135m-instruct"
 
@@ -111,16 +113,14 @@ def build(out: str | Path = DEFAULT_OUT, force: bool = False) -> tuple[Path, boo
     """Build the checkpoint into `out` unless it is there already (or `force`); returns its
     absolute path and whether this call wrote it. A non-empty directory without the marker is
     refused (FileExistsError), so a mistyped --out deletes nothing."""
-    from worker import devmodels  # the same lock and swap as the random dev checkpoints
-
     out = Path(out).expanduser().absolute()
     if not force and is_built(out):
         return out, False
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with devmodels._lock(out) as exclusive:
+    with checkpoint_dirs.lock(out) as exclusive:
         if exclusive:
-            devmodels._remove_leftovers(out)
+            checkpoint_dirs.remove_leftovers(out)
         if not force and is_built(out):
             return out, False  # built by another process while this one waited
         _check_replaceable(out)
@@ -134,8 +134,8 @@ def build(out: str | Path = DEFAULT_OUT, force: bool = False) -> tuple[Path, boo
             facts = convert(gguf, tmp)
             answer = check(tmp)
             _write_marker(tmp, facts, answer, time.monotonic() - started)
-            devmodels._set_permissions(tmp)
-            devmodels._swap_into_place(tmp, out)
+            checkpoint_dirs.set_permissions(tmp)
+            checkpoint_dirs.swap_into_place(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -172,7 +172,7 @@ def convert(gguf: Path, dest: Path) -> dict:
         raise RuntimeError(f"{gguf.name} has no chat template")
     tok.save_pretrained(dest)
 
-    # As in worker/devmodels.py: name a class every transformers version knows (v5 writes
+    # As in scripts/devmodels.py: name a class every transformers version knows (v5 writes
     # TokenizersBackend), keep the template in tokenizer_config.json too (transformers 4 reads
     # it there), and drop what the GGUF loading left in (load-time flags, an unbounded length).
     path = dest / "tokenizer_config.json"

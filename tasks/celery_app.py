@@ -1,46 +1,13 @@
-"""The Celery application both sides share, configured for long LLM jobs.
+"""The Celery application both sides share, configured for long LLM jobs (`make_celery`; the
+API's `make_sender` adds short timeouts), and how a job's message is sent (`publish_job`,
+`job_message`).
 
-Why each setting:
-- JSON only, both ways: a pickled message from the broker is remote code execution.
-- acks_late + reject_on_worker_lost: a job is acknowledged when it has finished, so a worker
-  that dies mid-job leaves its message unacknowledged and the broker delivers it again.
-- acks_on_failure_or_timeout: a job that failed on its own (bad prompt, engine error) is
-  acknowledged and recorded as failed instead of being redelivered forever.
-- visibility_timeout above the longest job (set for the broker and the result backend, the two
-  places Celery reads it): with Redis, an unacknowledged message becomes visible again after
-  this long, so a shorter value would run a slow job twice.
-- prefetch multiplier 1: the worker runs one thread per batch slot of its engine, plus the hf
-  engine's GENQ_RESERVED_SLOTS (concurrency == capacity + reserve), so it reserves as many
-  jobs as it can batch and a few for foreground jobs to preempt batch lines with, and leaves
-  the rest in Redis for other workers, instead of Celery's default of four per thread.
-- result_expires: results live as long as the job records that point at them.
-- running jobs are not cancelled when the broker connection drops
-  (`worker_cancel_long_running_tasks_on_connection_loss` off): the threads pool cannot cancel
-  a thread anyway, the engine keeps generating through a short Redis outage, and the job's
-  result, record and tokens are written once Redis is back (the worker's Redis client and the
-  result backend retry for up to `WORKER_REDIS_RETRY_S`). Should the message be delivered
-  again meanwhile, the attempt fence (worker/tasks.py) keeps exactly one result.
-- one result backend per process (`result_backend_thread_safe`): Celery's default is one per
-  thread, and under the API's gevent workers every request is a thread of its own, so each
-  would build a backend and open a Redis connection. redis-py's client is thread-safe, and
-  nothing here uses the backend's (unsafe) pub/sub result consumer.
-- rate limits off, and task events unless `GENQ_CELERY_EVENTS` asks for them (for Flower):
-  no task has a rate limit, events are read only by a monitor, and both cost time on every job
-  (docs/benchmarks.md measures the events).
-- priorities: kombu's Redis transport keeps one list per priority step and queue (the queue's
-  name, `sep`, the step; step 0 is the queue's own name) and a worker pops the first non-empty
-  one in step order: step 0 is served first. Priorities are clamped to 0-9; one step per
-  priority makes every one distinct. The API's priorities (lower first, as vLLM's, default 0 in
-  the middle) map onto steps in order, see `broker_priority`. A message without a priority
-  lands in step 0, the most urgent: `task_default_priority` gives tasks sent through their task
-  object (`apply_async`) the middle, and since `send_task` by name does not read it, the API
-  passes each job's priority itself (webapp/service.py). `sep` stays kombu's
-  own: it also separates the fields of the exchange's binding table in Redis, and a different
-  one would misread the bindings a durable Redis kept from an earlier run.
-  `queue_order_strategy` orders queues, not steps (a worker consumes one queue: it does not
-  matter; "priority" keeps the order fixed). Prefetched messages have left Redis and bypass
-  priorities: prefetch stays at the engine's capacity and reserve (above). The recovery path
-  (worker/recovery.py) restores a message into the sub-queue its own priority names.
+In short: JSON only; a job acknowledged once it has finished, so that a dead worker's message
+is delivered again; a visibility timeout above the longest job; a worker reserving one message
+per batch slot (and its engine's reserve); running jobs kept through a dropped broker
+connection; one result backend per process; no rate limits, and task events only when asked
+(Flower); one broker priority step per API priority (`broker_priority`, step 0 served first).
+Why each setting is what it is: docs/design.md, "The Celery application".
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """How every genqueue process reaches Redis: at one address (`REDIS_URL`), or through Redis
 Sentinel (`GENQ_REDIS_SENTINELS=host:port,...`, `GENQ_REDIS_MASTER`).
 
-With sentinels, nothing holds the master's address: every new connection asks a sentinel for
-the master of `GENQ_REDIS_MASTER` first (redis-py's `SentinelManagedConnection`), so after a
-failover the next connection reaches the promoted replica. While the old master is gone and
-the sentinels have not promoted one yet, a connection fails at once (refused, or redis-py's
-`MasterNotFoundError`, a `ConnectionError`) and the API answers 503 `broker_unavailable` as it
-does for a Redis that is down; connections to a master that became a replica are dropped on
-its first `READONLY` answer.
-
-- the job store, streams, registry (the API's and the workers' redis-py clients): `client()`,
-  `redis.sentinel.Sentinel(...).master_for(name, **kwargs)` with the same timeouts and retries
-  the caller gives a single Redis;
-- the Celery broker: kombu's `sentinel://h1:p1;sentinel://h2:p2` transport (its
-  `SentinelChannel` subclasses the Redis channel, so the project's uses of the channel's
-  internals, tasks/kombu_compat.py, work on it too), `master_name` and `sentinel_kwargs` in
-  `broker_transport_options`;
-- the result backend: Celery's `SentinelBackend` (tasks/backend.py) with the same URL, and the
-  same options in `result_backend_transport_options`.
-
-The sentinels themselves are asked with a short timeout and no retry: one that is down or
-frozen costs a second at most, and the next one in the list is asked.
+With sentinels, every new connection asks a sentinel for the master first, so after a failover
+the next one reaches the promoted replica: the redis-py clients (`client()`, with the timeouts
+and retries the caller gives a single Redis), the Celery broker (kombu's `sentinel://`
+transport) and the result backend (Celery's `SentinelBackend`). The sentinels themselves are
+asked with a short timeout and no retry. How and why: docs/design.md, "Reaching Redis: one address or
+Sentinel"; a failover measured: docs/reliability.md, "Redis Sentinel failover".
 """
 
 from __future__ import annotations

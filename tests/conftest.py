@@ -53,7 +53,7 @@ def store(redis_url):
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from worker import devmodels
+    from scripts import devmodels
 
     return devmodels.ensure("tiny", stack.TINY_MODEL_DIR)
 

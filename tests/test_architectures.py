@@ -2,7 +2,7 @@
 
 OPT derives positions from the attention mask; Llama, Qwen2, Mistral, Phi-3, GPT-NeoX, Gemma
 and GPT-2 take `position_ids`, and gave wrong text once jobs overlapped while the engine passed
-none. Each architecture's random tiny checkpoint (worker/devmodels.py, weights scaled up so that
+none. Each architecture's random tiny checkpoint (scripts/devmodels.py, weights scaled up so that
 a wrong position changes the text within a few tokens) is served with jobs of different lengths
 arriving while others decode, and every greedy text must equal `model.generate` of that prompt
 alone, in process (packed linears on and off, with preemption) and through the whole queue.
@@ -18,11 +18,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from scripts import devmodels
 from scripts import stack as stackmod
 from tasks.config import Settings
 from tasks.schemas import JobSpec, SamplingParams
 from tests.helpers import ENGINE_PROMPTS
-from worker import devmodels
 from worker.engines import arch
 from worker.engines.hf import HFEngine
 from worker.engines.kvcache import ATTENTION

@@ -7,8 +7,12 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from scripts import stack
 from tests.helpers import run_bench
+
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
 
 
 def test_bench_placement_quick_run(tiny_model, redis_url, tmp_path):

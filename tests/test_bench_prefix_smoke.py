@@ -14,6 +14,8 @@ from bench import prefix
 from scripts import stack
 from tests.helpers import run_bench, table_rows
 
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
+
 
 def test_bench_prefix_hf_quick_run(tiny_model, redis_url, tmp_path):
     page = tmp_path / "benchmarks-prefix.md"

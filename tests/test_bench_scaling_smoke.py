@@ -4,8 +4,12 @@ counted and the projection. --no-write: docs/scaling.md is untouched."""
 
 from __future__ import annotations
 
+import pytest
+
 from scripts import stack
 from tests.helpers import digest, run_bench, table_rows
+
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
 
 DOC = stack.ROOT / "docs" / "scaling.md"
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from scripts import stack
 from tests.helpers import digest, run_bench, table_rows
 from worker.engines import dtype as dtype_rule
+
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
 
 DOC = stack.ROOT / "docs" / "benchmarks.md"
 

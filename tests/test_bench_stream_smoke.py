@@ -4,8 +4,12 @@ the stack (hf worker + API) and streaming clients at 1 and 2 streams; the page h
 
 from __future__ import annotations
 
+import pytest
+
 from scripts import stack
 from tests.helpers import digest, run_bench, table_rows
+
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
 
 DOC = stack.ROOT / "docs" / "benchmarks-streaming.md"
 

@@ -4,8 +4,12 @@ beside completions; and the page's goals and ratios from a results file of all t
 
 from __future__ import annotations
 
+import pytest
+
 from bench import vllm
 from tests.helpers import run_bench, table_rows
+
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
 
 
 def test_bench_vllm_hf_quick_run(tiny_model, redis_url, tmp_path):

@@ -21,6 +21,8 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
@@ -379,7 +381,7 @@ def test_model_volume_is_shared_and_built_by_model_init(compose, services):
     assert not init_ro, "model-init must be able to write the models volume"
 
     script = " ".join(interpolate(argv(services["model-init"]["command"])))
-    assert f"worker.devmodels --shape tiny --out {TINY_MODEL_PATH}" in script
+    assert f"scripts.devmodels --shape tiny --out {TINY_MODEL_PATH}" in script
     # The shell (not compose) must see $GENQ_MODEL: i.e. it was escaped as $$ in the file.
     assert "$GENQ_MODEL" in script or "${GENQ_MODEL}" in script
     assert TINY_MODEL_PATH in env_of(services["model-init"]).get("GENQ_MODEL", "")
@@ -402,7 +404,7 @@ def test_model_init_script_only_builds_when_model_is_the_tiny_one(services, tmp_
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 
-    assert f"PYTHON -m worker.devmodels --shape tiny --out {TINY_MODEL_PATH}" in run(TINY_MODEL_PATH)
+    assert f"PYTHON -m scripts.devmodels --shape tiny --out {TINY_MODEL_PATH}" in run(TINY_MODEL_PATH)
     assert "PYTHON" not in run("facebook/opt-125m")
 
 

@@ -284,7 +284,7 @@ def test_the_bound_holds_on_sentencepiece_tokenizers(kind, make, expected):
 def dev_tokenizers(tiny_model):
     from transformers import AutoTokenizer
 
-    from worker import devmodels
+    from scripts import devmodels
 
     root = tiny_model.parent
     paths = {"opt": tiny_model, "qwen2": devmodels.ensure("tiny", root / "tiny-qwen2", arch="qwen2")}

@@ -1,4 +1,4 @@
-"""Tests for worker.devmodels: real builds of the `tiny` shape, loaded through from_pretrained."""
+"""Tests for scripts.devmodels: real builds of the `tiny` shape, loaded through from_pretrained."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from worker import devmodels
+from scripts import devmodels
+
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
 
 TEXTS = [
     "Hello, my name is",

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
+from scripts import devmodels
 from tasks.config import Settings
 from tasks.schemas import JobSpec, SamplingParams
 from tests.test_architectures import Reference
-from worker import devmodels
 from worker.engines.hf import HFEngine
 from worker.engines.kvcache import SlotKV
 from worker.engines.prefix import PrefixCache, digests

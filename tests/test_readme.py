@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from scripts.stack import ROOT
 from tasks.config import Settings
+
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
 
 README = (ROOT / "README.md").read_text()
 

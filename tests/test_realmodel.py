@@ -11,6 +11,8 @@ import pytest
 
 from scripts import realmodel
 
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
+
 
 def test_the_wheel_file_is_found_without_importing_its_package():
     """The package's __init__ imports `llm` and `llama_cpp`, which --no-deps leaves out."""

@@ -5,8 +5,12 @@ own: test_recovery.py, test_outage.py). --no-write: docs/reliability.md is untou
 
 from __future__ import annotations
 
+import pytest
+
 from scripts import stack
 from tests.helpers import digest, run_bench, table_rows
+
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
 
 DOC = stack.ROOT / "docs" / "reliability.md"
 

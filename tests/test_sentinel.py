@@ -1,5 +1,5 @@
 """Redis Sentinel: a real master, a replica and three sentinels on loopback
-(scripts/stack.py `SentinelRedis`), an API and an hf worker on the tiny model that know only the
+(scripts/redis_servers.py `SentinelRedis`), an API and an hf worker on the tiny model that know only the
 sentinels (GENQ_REDIS_SENTINELS, GENQ_REDIS_MASTER; REDIS_URL points nowhere). The master is
 SIGKILLed with jobs running and queued: the sentinels promote the replica, the API answers 503
 `broker_unavailable` during the switch and serves after it, the worker reconnects by itself

@@ -4,27 +4,12 @@ messages' own text, which the worker announces in its heartbeat beside its token
 
     tokens(prompt) <= base + sum over i of (per_message + tokens(content_i) + tokens(name_i))
 
-where the prompt is the template's rendering tokenized as a chat job's prompt is (no special
-tokens added: the template has them) and tokens(text) is a text's own tokens. With the
-tokenizer's bound on each content and name (worker/tokenbound.py) the API tells from their
-bytes alone that a chat request surely fits the context (webapp/context.py), and has a worker
-count it only when it might not.
-
-How it is measured (`measure`): the text a template puts around a message does not depend on
-the message's content, in the templates this accepts, so what it adds is the rendering's tokens
-minus the content's. Each role, with and without a name, is appended to short conversations of
-every role order, with contents that meet the template's text differently (a letter, words and
-punctuation, spaces and a newline at either end, digits); `per_message` is the most any appended
-message added, `base` the most any probe conversation needs beyond its messages (a first
-message may bring a default system prompt, as SmolLM2's template does), each with a margin for
-how real contents meet the template's text. Then the bound is checked on conversations of many
-sizes, role orders and contents (long ones, quotes and backslashes a template might escape,
-characters normalization lengthens, special tokens' text), rendered with and without the
-generation prompt and continuing the final message: a template that repeats or escapes a
-message's content, or otherwise adds more than a constant per message, breaks it on some of
-them, and the worker announces none (the API counts every conversation, as it does for a
-template that reads the clock, `strftime_now`, whose text changes after the measurement). The
-worker's own check of a job's prompt against the context stays behind it.
+With the tokenizer's bound on each content and name (worker/tokenbound.py) the API tells from
+their bytes alone that a chat request surely fits the context (webapp/context.py), and has a
+worker count it only when it might not. `measure` finds `base` and `per_message` by rendering
+probe conversations, then checks the bound on many more; a template that breaks it gets no
+bound. How it is measured, and why it holds: docs/design.md, "Does a prompt fit? Token
+bounds", "A chat template's bound".
 """
 
 from __future__ import annotations

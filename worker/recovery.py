@@ -1,64 +1,16 @@
 """Recovery of a dead or hung worker's jobs, by the workers that are still alive.
 
-With `acks_late`, a job's message stays in kombu's `unacked` hash (by delivery tag) until its
-worker acknowledges it; kombu gives it back to the queue only after `visibility_timeout`, which
-must stay above the longest job (20 minutes by default). genqueue does not wait for that:
+Every live worker sweeps the registry each heartbeat: the in-flight messages of a worker whose
+heartbeat is older than `heartbeat_ttl` (on Redis's clock) go back to the front of their queue
+at once through kombu's own restore path, each once, with a fresh delivery tag, instead of
+waiting for the visibility timeout (which stays as the last resort). A job that has used up
+GENQ_MAX_ATTEMPTS fails (`worker_lost`); an attempt lost beside other jobs is forgiven, and a
+job forgiven SOLO_AFTER_FORGIVEN times runs alone. Every GENQ_RECONCILE_INTERVAL each worker
+also compares the job records with what the broker holds (`Reaper.reconcile`) and restores or
+publishes again a job found adrift on two passes in a row. A gone worker's lane (cache-aware
+placement) is drained into its shared queue.
 
-- a worker starting an attempt records the message's delivery tag in its in-flight hash
-  (`genq:inflight:<worker>`, written by the same Lua call that marks the job running);
-- every live worker sweeps the registry each heartbeat; a worker whose heartbeat is older than
-  `heartbeat_ttl` on Redis's clock is dead or hung, and its in-flight messages go back to the front of their
-  queue at once, through kombu's own restore path (`_do_restore_message`: the same queue and
-  priority, marked redelivered), in a transaction that removes them from `unacked`, so two
-  sweepers never restore one message twice;
-- only a sweeper that has beaten without a break for a whole `heartbeat_ttl` judges others:
-  a Redis stall or restart leaves every heartbeat old the moment Redis is back, so after one
-  every worker gets a full ttl to beat again before anyone is declared dead (the same goes for
-  reconciling, which also judges other workers' jobs);
-- the restored message gets a fresh delivery tag: when a hung worker wakes up and acknowledges
-  its old tag, that cannot remove the new delivery's entry from `unacked`;
-- a job that has used up `GENQ_MAX_ATTEMPTS` is not restored but fails (`worker_lost`): a job
-  that kills every worker it meets must not take the whole fleet down;
-- a lost worker's jobs are not all charged for it (`forgive`): only a job that ran alone on
-  it is, the one that was its only job in flight or the one running alone (below); when
-  several ran together, none is: each is restored with that attempt forgiven (the record's
-  `forgiven`, which GENQ_MAX_ATTEMPTS does not count). A job forgiven SOLO_AFTER_FORGIVEN
-  times runs alone from then on (worker/tasks.py: its worker starts no other job beside it,
-  and it waits for those running to end; the record's `solo` says once it runs): a job that
-  kills its worker soon runs alone and is charged, and the innocent jobs beside it never are.
-
-A message can also be lost outright, or a job's record and its message can disagree, when
-Redis restarts or its connection drops at the wrong moment: kombu pops a message (BRPOP) and
-records it in `unacked` in a second command, so a worker whose connection dies in between
-holds the only copy; a Redis that restarts from its append-only file may have lost its last
-second of writes (the API records a job and pushes its message in one call). Every
-`GENQ_RECONCILE_INTERVAL` each worker therefore compares what the records say with what the
-broker holds (`Reaper.reconcile`):
-
-- a job recorded `queued` on its queue whose message is in none of the queue's lists and not in
-  `unacked` is published again from the spec its record keeps; one whose message sits in
-  `unacked`, received by a worker that never started it (dead or hung: a live worker reserves
-  no more than it has threads and starts what it receives at once), is restored to its queue;
-- a job this worker's in-flight hash names but that this process is not running (its finish
-  was lost), and the in-flight jobs of a worker that is gone from the registry altogether,
-  are recovered like a dead worker's: restored from `unacked`, or published again;
-- both only when the same job is found adrift on two passes in a row: a message is between
-  BRPOP and `unacked` for microseconds, never for a whole interval.
-
-kombu itself gives a worker's received-but-unstarted messages back to the queue when the
-connection drops (`restore_unacked_once` as the channel closes; a closed channel keeps the
-parameters to reach Redis with, tasks/kombu_compat.py `remember_connparams`, or that and every
-later ack of its messages raised). While Redis is still down that raises and takes the worker
-down; `guard_restores` (tasks/kombu_compat.py) makes it wait for Redis instead, and leaves the
-messages of jobs this worker is running where they are (it finishes and acks them once Redis
-is back): restoring them would run every job twice.
-
-A worker's own lane (cache-aware placement, tasks/placement.py) is drained into its shared
-queue when the worker is found dead on a sweep, and on every reconcile for any lane whose worker
-is gone from the registry; a restore never goes to a lane (tasks/kombu_compat.py
-`unlane_restores`), and the reconciler counts a lane's messages as on its queue.
-
-The visibility timeout stays as the last resort.
+How and why, case by case: docs/reliability.md, "How a lost worker's jobs are recovered".
 """
 
 from __future__ import annotations

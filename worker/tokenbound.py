@@ -4,30 +4,10 @@
 The API compares that with the model's context to know, without asking a worker, that a prompt
 surely fits (webapp/context.py); only a prompt whose bound does not fit is counted by a worker.
 
-Why it holds, for the tokenizers it accepts (anything else: no bound, the API counts every
-prompt): every token a BPE, Unigram, WordPiece or WordLevel model emits covers at least one
-unit of its input, where a unit is a byte for a byte-level tokenizer (the ByteLevel
-pre-tokenizer turns each byte into one symbol) and a character otherwise, except a character
-outside the vocabulary with byte fallback, which becomes one token per byte. So a text's tokens
-are at most its *cost*: the sum over its characters of 1 (in the vocabulary, or no byte
-fallback: the unknown token) or their UTF-8 bytes. A character costs at most its bytes, so
-without normalization the tokens are at most the bytes; each normalizer and pre-tokenizer
-step below changes that bound as it changes the text:
-
-- Unicode normalization can lengthen a text: NFC and NFD at most 3x its UTF-8 bytes, NFKC and
-  NFKD 11x (the largest ratio over every code point; composition never adds bytes);
-- Prepend, ByteLevel's `add_prefix_space` and Metaspace's prepend add their text once per
-  piece (per segment between added tokens, as the tokenizer normalizes each on its own), so
-  they are accepted only as the first step that splits;
-- a plain-string Replace (Metaspace's " " -> "▁" too) scales the cost by what one occurrence
-  adds, where it adds any;
-- splitting, stripping and removing accents only split or shorten the text.
-
-Added tokens (special or not) are one token each and split the text into segments, each paying
-the per-segment additions: accepted where every added token's text is long enough to pay for
-the next segment's. The special tokens the tokenizer adds around a prompt are part of `extra`.
-A bound is checked once more on tricky texts at load (`bound_of`): if any text breaks it the
-worker announces none.
+It is accepted for BPE, Unigram, WordPiece and WordLevel models behind the normalizers and
+pre-tokenizers whose effect on a text's length is bounded (anything else: no bound, the API
+counts every prompt), and checked once more on tricky texts at load (`bound_of`). Why it
+holds, step by step: docs/design.md, "Does a prompt fit? Token bounds", "A tokenizer's bound".
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ tokenizer with OPT's special tokens and a chat template (`CHAT_TEMPLATE`). The t
 gibberish: these checkpoints exercise loading, batching, streaming and serving. The same arch,
 shape and seed give the same weights; a build already in DIR is kept unless `--force`.
 
-    python -m worker.devmodels --shape tiny|opt-125m --out DIR [--arch opt] [--seed 0] [--force]
+    python -m scripts.devmodels --shape tiny|opt-125m --out DIR [--arch opt] [--seed 0] [--force]
 
-How they are made: docs/design.md, "Offline development checkpoints".
+What they are (sizes, architectures, template): scripts/devmodel_archs.py, whose names this
+module re-exports. How they are made: docs/design.md, "Offline development checkpoints".
 """
 
 from __future__ import annotations
@@ -24,9 +25,22 @@ import sysconfig
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from scripts import checkpoint_dirs
+from scripts.devmodel_archs import (
+    ARCHS,
+    BOS_TOKEN_ID,
+    CHAT_TEMPLATE,
+    EOS_TOKEN_ID,
+    PAD_TOKEN_ID,
+    SHAPES,
+    SPECIAL_TOKENS,
+    TOKENIZER_VOCAB,
+    model_config,
+)
 
 __all__ = [
     "ARCHS",
@@ -40,6 +54,7 @@ __all__ = [
     "ensure",
     "is_built",
     "main",
+    "model_config",
 ]
 
 #: Bump when the on-disk layout or the recipe changes: existing checkpoints are then rebuilt.
@@ -47,167 +62,6 @@ FORMAT_VERSION = 2
 
 #: Marker file written (last) into every checkpoint built here.
 MARKER_NAME = "genq-devmodel.json"
-
-#: OPT's special tokens, in id order: ``<s>``=0, ``<pad>``=1, ``</s>``=2, ``<unk>``=3.
-SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")
-PAD_TOKEN_ID = 1
-BOS_TOKEN_ID = 2
-EOS_TOKEN_ID = 2
-
-# Settings shared by every shape; these are facebook/opt-125m's values.
-_OPT_COMMON: dict[str, Any] = {
-    "activation_function": "relu",
-    "do_layer_norm_before": True,
-    "enable_bias": True,
-    "layer_norm_elementwise_affine": True,
-    "tie_word_embeddings": True,
-    "dropout": 0.1,
-    "attention_dropout": 0.0,
-    "layerdrop": 0.0,
-    "init_std": 0.02,
-    "use_cache": True,
-    "pad_token_id": PAD_TOKEN_ID,
-    "bos_token_id": BOS_TOKEN_ID,
-    "eos_token_id": EOS_TOKEN_ID,
-}
-
-#: ``OPTConfig`` keyword arguments for each shape.
-SHAPES: dict[str, dict[str, Any]] = {
-    # Fast CPU tests: ~1M parameters (4 MB); head size 32 (vLLM's CPU backend needs >= 32).
-    "tiny": {
-        **_OPT_COMMON,
-        "vocab_size": 4096,
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "ffn_dim": 512,
-        "max_position_embeddings": 512,
-        "word_embed_proj_dim": 128,
-    },
-    # Exactly facebook/opt-125m's shape.
-    "opt-125m": {
-        **_OPT_COMMON,
-        "vocab_size": 50272,
-        "hidden_size": 768,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 12,
-        "ffn_dim": 3072,
-        "max_position_embeddings": 2048,
-        "word_embed_proj_dim": 768,
-    },
-}
-
-#: Size the tokenizer is trained toward (special tokens included).  It can end smaller when the
-#: corpus runs out of pairs to merge; the model's ``vocab_size`` is always at least this large
-#: (as in OPT, whose tokenizer has 50265 entries and whose model has 50272 rows).
-TOKENIZER_VOCAB: dict[str, int] = {"tiny": 4000, "opt-125m": 50265}
-
-#: A simple chat template in the dev tokenizer (Jinja2, as transformers and vLLM render it):
-#: each message as ``<|role|>`` and its text, ended by ``</s>``; content may be a string or a
-#: list of text parts.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
-    "{% if not (loop.last and continue_final_message) %}{{ eos_token + '\\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
-
-# Weight scale of the architectures other than OPT (see the module docstring).
-_INIT = 0.1
-_IDS = {"pad_token_id": PAD_TOKEN_ID, "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID}
-
-
-def _rotary(config_class: str, model_class: str, kv_heads: Callable[[int], int] | None = None, **extra: Any):
-    """Config kwargs of a decoder with rotary positions (Llama and its kin, GPT-NeoX)."""
-
-    def make(size: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
-        heads = size["num_attention_heads"]
-        return (
-            config_class,
-            model_class,
-            {
-                "vocab_size": size["vocab_size"],
-                "hidden_size": size["hidden_size"],
-                "intermediate_size": size["ffn_dim"],
-                "num_hidden_layers": size["num_hidden_layers"],
-                "num_attention_heads": heads,
-                **({"num_key_value_heads": kv_heads(heads)} if kv_heads else {}),
-                "max_position_embeddings": size["max_position_embeddings"],
-                "initializer_range": _INIT,
-                "tie_word_embeddings": False,
-                **_IDS,
-                **{k: v(size) if callable(v) else v for k, v in extra.items()},
-            },
-        )
-
-    return make
-
-
-def _gpt2(size: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
-    return (
-        "GPT2Config",
-        "GPT2LMHeadModel",
-        {
-            "vocab_size": size["vocab_size"],
-            "n_embd": size["hidden_size"],
-            "n_layer": size["num_hidden_layers"],
-            "n_head": size["num_attention_heads"],
-            "n_inner": size["ffn_dim"],
-            "n_positions": size["max_position_embeddings"],
-            "initializer_range": _INIT,
-            **_IDS,
-        },
-    )
-
-
-def _half(heads: int) -> int:
-    return max(1, heads // 2)
-
-
-#: Each architecture ``--arch`` builds: size -> (config class, model class, config kwargs).
-#: The sizes are SHAPES' (hidden size, layers, heads, feed-forward width, vocabulary, context).
-ARCHS: dict[str, Any] = {
-    "opt": None,  # SHAPES itself
-    "gpt2": _gpt2,
-    "llama": _rotary("LlamaConfig", "LlamaForCausalLM", kv_heads=_half),
-    "qwen2": _rotary("Qwen2Config", "Qwen2ForCausalLM", kv_heads=_half),
-    # A sliding window shorter than the context, as Mistral 7B v0.1 has (4096 of 32768).
-    "mistral": _rotary(
-        "MistralConfig",
-        "MistralForCausalLM",
-        kv_heads=_half,
-        sliding_window=lambda size: size["max_position_embeddings"] // 2,
-    ),
-    "phi3": _rotary("Phi3Config", "Phi3ForCausalLM"),
-    "gpt_neox": _rotary(
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
-        rotary_pct=0.25,  # Pythia's partial rotary
-        use_parallel_residual=True,
-    ),
-    "gemma": _rotary(
-        "GemmaConfig",
-        "GemmaForCausalLM",
-        kv_heads=lambda heads: 1,
-        head_dim=lambda size: size["hidden_size"] // size["num_attention_heads"],
-    ),
-}
-
-
-def model_config(arch: str, shape: str) -> tuple[str, str, dict[str, Any]]:
-    """(config class, model class, config kwargs) of ``arch`` at ``shape``'s size."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
-    if ARCHS[arch] is None:
-        return "OPTConfig", "OPTForCausalLM", dict(SHAPES[shape])
-    return ARCHS[arch](SHAPES[shape])
-
 
 # Cap on training text per shape (characters).  The whole 3.11 stdlib is ~12.6M characters and
 # trains the 50k tokenizer in a few seconds.
@@ -278,9 +132,9 @@ def _build(shape: str, out: str | os.PathLike[str], seed: int, force: bool, arch
     _check_replaceable(out)  # fail early, before creating anything; re-checked under the lock
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    with _lock(out) as exclusive:
+    with checkpoint_dirs.lock(out) as exclusive:
         if exclusive:  # no other build of `out` can be running: clear up killed ones
-            _remove_leftovers(out)
+            checkpoint_dirs.remove_leftovers(out)
         if not force and is_built(out, shape, seed, arch):
             return out, False  # another process built it while we waited for the lock
         _check_replaceable(out)
@@ -288,8 +142,8 @@ def _build(shape: str, out: str | os.PathLike[str], seed: int, force: bool, arch
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
             _write_checkpoint(tmp, shape, seed, arch)
-            _set_permissions(tmp)
-            _swap_into_place(tmp, out)
+            checkpoint_dirs.set_permissions(tmp)
+            checkpoint_dirs.swap_into_place(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -451,7 +305,7 @@ def _stdlib_corpus(max_chars: int) -> tuple[list[str], dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------------------------
-# Filesystem helpers
+# Helpers (the lock, temp dir and swap: scripts/checkpoint_dirs.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -470,46 +324,9 @@ def _check_replaceable(out: Path) -> None:
         raise FileExistsError(f"{out} exists and is not a directory; refusing to replace it")
     if any(out.iterdir()) and _read_marker(out) is None:
         raise FileExistsError(
-            f"{out} is a non-empty directory not built by worker.devmodels (no {MARKER_NAME}); "
+            f"{out} is a non-empty directory not built by scripts.devmodels (no {MARKER_NAME}); "
             "refusing to replace it -- remove it or choose another --out"
         )
-
-
-def _remove_leftovers(out: Path) -> None:
-    """Delete temp dirs of builds of ``out`` that were killed (we hold the build lock)."""
-    for pattern in (f".{out.name}.tmp-*", f".{out.name}.old-*"):
-        for leftover in out.parent.glob(pattern):
-            if leftover.is_dir() and not leftover.is_symlink():
-                shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    if out.exists():
-        # Move the old one aside first (an empty dir or one of our checkpoints; checked above).
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, old / out.name)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old / out.name, out)
-            shutil.rmtree(old, ignore_errors=True)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-
-
-def _set_permissions(root: Path) -> None:
-    """mkdtemp makes a 0700 directory; give the result ordinary permissions (per the umask)."""
-    umask = 0o022
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                umask = int(line.split()[1], 8)
-    os.chmod(root, 0o777 & ~umask)
-    for f in root.iterdir():
-        if f.is_file():
-            os.chmod(f, 0o666 & ~umask)
 
 
 @contextlib.contextmanager
@@ -526,26 +343,6 @@ def _quiet_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-@contextlib.contextmanager
-def _lock(out: Path) -> Iterator[bool]:
-    """Serialise builds of the same ``out`` across processes (e.g. several workers starting).
-
-    Yields True when the lock is real (POSIX flock), False where it is unavailable.
-    """
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no cross-process lock
-        yield False
-        return
-    lock_path = out.parent / f".{out.name}.lock"
-    with open(lock_path, "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield True
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
 def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj)) if obj is not None else None
 
@@ -557,7 +354,7 @@ def _jsonable(obj: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.devmodels",
+        prog="python -m scripts.devmodels",
         description="Build a random-weight decoder checkpoint with a locally trained byte-level BPE "
         "tokenizer, loadable offline with AutoTokenizer/AutoModelForCausalLM.from_pretrained.",
     )
