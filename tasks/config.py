@@ -39,6 +39,18 @@ class ApiSettings(_Env):
     port: int = 8000
     api_workers: int = Field(2, ge=1)
     api_connections: int = Field(1000, ge=1, description="open requests per API process")
+    body_timeout: float = Field(
+        30.0,
+        ge=0,
+        description="seconds a request body may take to arrive, a second more per MiB arrived (408 "
+        "body_timeout); 0: no deadline (webapp/bodyguard.py)",
+    )
+    max_bodies_per_client: int = Field(
+        32,
+        ge=0,
+        description="request bodies one client (an address, an API key) may be sending at once to one "
+        "API process (429 too_many_bodies); 0: no bound",
+    )
     api_keys: SecretStr | None = Field(None, description="comma list of API keys (see webapp/auth.py)")
     api_keys_file: str | None = Field(None, description="one API key (or sha256:<hex>) per line, with name and limits")
 

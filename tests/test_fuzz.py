@@ -288,7 +288,7 @@ def test_a_malformed_chunked_body_is_a_4xx_json_error(echo_stack, name, body):
         assert first[0] == 400 and error["code"] == "invalid_body", (path, error)
     # Cut off mid-chunk: the client half-closes, and still reads a 400.
     (first, *_) = raw_http(echo_stack, chunked("/v1/jobs", b"10\r\nabc"), half_close=True)
-    assert first[0] == 400 and json_error(*first)
+    assert first[0] == 400 and json_error(*first)["code"] == "invalid_body"
     # A route that does not read the body answers; gunicorn, draining it, answers a JSON 400 too.
     ok, refused = raw_http(echo_stack, b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
     assert ok[0] == 200 and json_error(*refused)["code"] == "bad_request"

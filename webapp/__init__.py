@@ -11,6 +11,7 @@ from tasks import redis_conn
 from tasks.celery_app import BLOCKING_SOCKET_TIMEOUT_S, SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
 from tasks.config import Settings, get_settings
 from webapp import auth, batches, completions, errors, ids, metrics, openapi
+from webapp.bodyguard import BodyGuard
 from webapp.routes import batches as batch_routes
 from webapp.routes import health, jobs, openai, teaching, tokens
 from webapp.service import EXTENSION, JobService
@@ -53,4 +54,6 @@ def create_app(settings: Settings | None = None) -> Flask:
     batches.init_app(app, settings)
     for bp in (health.bp, jobs.bp, teaching.bp, openai.bp, tokens.bp, batch_routes.bp):
         app.register_blueprint(bp)
+    # No client holds the API by sending its bodies slowly (webapp/bodyguard.py).
+    app.wsgi_app = BodyGuard(app.wsgi_app, settings.body_timeout, settings.max_bodies_per_client)
     return app

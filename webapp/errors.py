@@ -10,7 +10,7 @@ import redis
 from flask import Flask, current_app, jsonify
 from kombu.exceptions import OperationalError
 from pydantic import ValidationError
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from webapp.protocol.errors import ErrorDetail, ErrorResponse
 
@@ -39,6 +39,16 @@ try:
     BODY_ERRORS: tuple[type[Exception], ...] = (ParseException, NoMoreData)
 except ImportError:  # pragma: no cover
     BODY_ERRORS = ()
+
+
+class BodyTimeout(Exception):
+    """The client did not send its body within its deadline (webapp/bodyguard.py)."""
+
+
+class BodyCutShort(Exception):
+    """The body ended before its Content-Length: the client closed its side (webapp/bodyguard.py)."""
+
+
 BROKER_UNAVAILABLE = {
     "code": "broker_unavailable",
     "message": "the job queue (Redis) is unavailable; try again shortly",
@@ -143,6 +153,18 @@ def register(app: Flask) -> None:
 
     for cls in BODY_ERRORS:
         app.register_error_handler(cls, _body)
+
+    @app.errorhandler(BodyCutShort)
+    @app.errorhandler(ClientDisconnected)
+    def _cut_short(exc: Exception):
+        why = str(exc) if isinstance(exc, BodyCutShort) else ""
+        message = "the request body is malformed: the connection closed before its end"
+        return error_response(400, "invalid_body", f"{message} ({why})" if why else message, {"Connection": "close"})
+
+    @app.errorhandler(BodyTimeout)
+    def _slow_body(exc: BodyTimeout):
+        message = "the request body did not arrive in time (GENQ_BODY_TIMEOUT)"
+        return error_response(408, "body_timeout", message, {"Connection": "close"})
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException):
