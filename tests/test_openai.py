@@ -10,7 +10,7 @@ import openai
 import pytest
 from helpers import stream, submit
 
-from webapp.protocol.openai import N_MAX
+from webapp.protocol.common import N_MAX
 
 
 @pytest.fixture(scope="module")

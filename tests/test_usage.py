@@ -12,10 +12,10 @@ import pytest
 
 from tasks.schemas import GenerationResult, SamplingParams
 from tasks.streams import TokenEvent
-from webapp.completions import CompletionService, Jobs, Submitted, _ChatRelay, _CompletionRelay
-from webapp.protocol import openai as protocol
+from webapp.completions import CompletionService, Submitted, _ChatRelay, _CompletionRelay
+from webapp.protocol import common as protocol
 from webapp.protocol.batches import Batch
-from webapp.protocol.jobs import JobView
+from webapp.protocol.jobs import Jobs, JobView
 
 
 def result(prompt: int, completion: int, cached: int | None = None, logprob: float = -1.0) -> dict:

@@ -1,79 +1,40 @@
 """One completion request, whatever door it came in by (`/v1/completions`,
 `/v1/chat/completions`, the teaching endpoints, a batch line, `/v1/jobs`): the request model
-turns itself into `Jobs` (its `to_jobs()`, as vLLM's `to_sampling_params`),
-`CompletionService.submit` puts them on the queue, and the answer is assembled from their results as a body (`body`) or a stream
-(`stream`), in the shape of the API the request came from (`Submitted.api`).
+turns itself into `Jobs` (webapp/protocol/jobs.py; its `to_jobs()`, as vLLM's
+`to_sampling_params`), `CompletionService.submit` checks them against the limits and puts them
+on the queue, and the answer is assembled from their results as a body (`body`) or a stream
+(`stream`), in the shape of the API the request came from (`Jobs.api`).
 
-`submit` is the only place that validates a request's jobs against this deployment's limits,
-resolves its model and applies the API key's limits; the routes and the batch driver only
-parse and call it.
+`submit` is the only place that checks a request's jobs against this deployment's and its API
+key's limits (with errors that name the request's own fields) and resolves its model; the
+routes and the batch driver only parse and call it.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from flask import Response, current_app, request
-from pydantic import BaseModel
 
-from tasks.schemas import NO_CHAT_TEMPLATE, ChatOptions, SamplingParams
-from webapp import context, metrics, sse, tokens
+from tasks.schemas import NO_CHAT_TEMPLATE, SamplingParams
+from webapp import context, limits, metrics, sse, tokens
 from webapp.auth import ApiKey
 from webapp.errors import APIError, error_body, job_error_status
-from webapp.protocol import openai
-from webapp.protocol.jobs import Scheduling, split_request
+from webapp.protocol import chat, common
+from webapp.protocol.completions import choice, completion
+from webapp.protocol.jobs import Jobs
 from webapp.service import JobService
 
 log = logging.getLogger(__name__)
 
-Api = Literal["completions", "chat", "teaching", "jobs"]
-
-
-@dataclass
-class Jobs:
-    """What a request asks of the queue: each of `prompts` `n` times (prompt i's j-th is job
-    i * n + j, with `params.for_choice(j)`), at `sched`, for `model` (None: the default one)
-    or for a worker of `engine`. The rest says how to answer: `api`, `stream`, `echo` (the
-    prompt goes before its completion), `include_usage` (a stream's last chunk). `best_of`:
-    that many jobs per prompt instead of `n`, of which the answer keeps the `n` of highest
-    cumulative logprob (`best`). A prompt is a text or token ids."""
-
-    prompts: list[str | list[int]]
-    params: SamplingParams
-    sched: Scheduling = field(default_factory=Scheduling)
-    model: str | None = None
-    engine: str | None = None
-    n: int = 1
-    api: Api = "completions"
-    stream: bool = False
-    echo: bool = False
-    include_usage: bool = False
-    chat: ChatOptions | None = None  # a conversation (the worker renders its prompt)
-    best_of: int | None = None
-
-    @property
-    def per_prompt(self) -> int:
-        """Jobs per prompt."""
-        return self.best_of or self.n
-
-    @property
-    def texts(self) -> list[str]:
-        """What the deployment's limits on prompts apply to: the prompts (token ids: none, the
-        worker checks their length), or the messages."""
-        if self.chat is None:
-            return [p if isinstance(p, str) else "" for p in self.prompts]
-        return ["\n".join(m.content for m in self.chat.messages)]
-
-    @classmethod
-    def of(cls, req: BaseModel, prompts: list[str], exclude: set[str], **kw: Any) -> Jobs:
-        """The jobs of a body that is SamplingParams and Scheduling fields beside `exclude`
-        (`/v1/jobs`, the teaching endpoints)."""
-        params, sched = split_request(req, exclude)
-        return cls(prompts, params, sched, **kw)
+# How a worker's error message names the job's max_new_tokens ("with max_new_tokens=16 that exceeds
+# the model's context"), which the request may call otherwise (`results`).
+JOB_MAX_TOKENS = re.compile(r"\bmax_new_tokens\b")
 
 
 @dataclass
@@ -132,12 +93,12 @@ class CompletionService:
         self.jobs = jobs
 
     def submit(self, req: Jobs, owner: ApiKey | None, wait: bool = True) -> Submitted:
-        """Validate, resolve the model, apply the key's limits and queue the jobs. `wait`: the
-        caller answers once they end (a blocking call or a stream), so it fails at once with
-        503 when no live worker serves the model instead of hanging."""
+        """Check the limits, resolve the model and queue the jobs. `wait`: the caller answers
+        once they end (a blocking call or a stream), so it fails at once with 503 when no live
+        worker serves the model instead of hanging."""
         s = self.jobs
         every = [p for p in req.texts for _ in range(req.per_prompt)]
-        s.validate(every, req.params)
+        limits.check(req, every, s.settings)
         model = s.model_for_engine(req.engine) if req.engine else s.resolve_model(req.model)
         created = int(time.time())
         if not every:
@@ -146,7 +107,7 @@ class CompletionService:
             s.require_worker(model)
         if req.chat is not None:
             self.require_chat_template(model)
-        params = s.key_limits(every, req.params, owner)
+        params = limits.for_key(req, every, owner, s.settings)
         if req.best_of and params.logprobs is None:  # `best` ranks them by their tokens' logprobs
             params = params.model_copy(update={"logprobs": 0})
         self.check_context(req, params, model)
@@ -183,9 +144,8 @@ class CompletionService:
             for p in req.prompts:
                 ok = context.surely_fits(p, max_new, ctx, truncate)
                 if ok is False:  # token ids: counted already
-                    raise context.too_long(
-                        ctx.max_model_len, context.kept(len(p), truncate, ctx.max_model_len), max_new, field
-                    )
+                    n = context.kept(len(p), truncate, ctx.max_model_len)
+                    raise context.too_long(ctx.max_model_len, n, max_new, field, req.max_tokens_name)
                 if ok is None:
                     unsure.append(p)
             if not unsure:
@@ -193,7 +153,7 @@ class CompletionService:
         for n in self._count(req, params, model, list(dict.fromkeys(unsure))):
             n = context.kept(n, truncate, ctx.max_model_len)
             if not context.fits(n, max_new, ctx.max_model_len):
-                raise context.too_long(ctx.max_model_len, n, max_new, field)
+                raise context.too_long(ctx.max_model_len, n, max_new, field, req.max_tokens_name)
 
     def _count(self, req: Jobs, params: SamplingParams, model: str, texts: list[str]) -> list[int]:
         """The tokens of `texts` (or of the request's conversation) as a worker of `model`
@@ -221,15 +181,24 @@ class CompletionService:
             raise APIError(400, "no_chat_template", NO_CHAT_TEMPLATE, param="messages")
 
     def results(self, sub: Submitted, environ: dict | None = None) -> list[dict[str, Any]]:
-        """The jobs' results in order (raises the APIError of the first that failed)."""
-        return self.jobs.collect(sub.ids, environ)
+        """The jobs' results in order (raises the APIError of the first that failed, in the
+        request's words: a worker's message names the job's `max_new_tokens`)."""
+        try:
+            return self.jobs.collect(sub.ids, environ)
+        except APIError as exc:
+            field = sub.jobs.max_tokens_field
+            if field is None or not (JOB_MAX_TOKENS.search(exc.message) or exc.param == "max_new_tokens"):
+                raise
+            message = JOB_MAX_TOKENS.sub(field, exc.message)
+            param = field if exc.param == "max_new_tokens" else exc.param
+            raise APIError(exc.status, exc.code, message, exc.headers, param) from None
 
     def body(self, sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
         """The whole answer of a request whose jobs have all succeeded."""
         picked = best(sub, results) if sub.jobs.best_of else results
         body = chat_body(sub, picked) if sub.jobs.api == "chat" else completion_body(sub, picked)
         if picked is not results:  # usage counts every completion generated, each prompt once
-            body["usage"] = openai.usage_of(results, results[:: sub.jobs.best_of]).model_dump(mode="json")
+            body["usage"] = common.usage_of(results, results[:: sub.jobs.best_of]).model_dump(mode="json")
         return body
 
     def answer(self, req: Jobs, owner: ApiKey | None) -> dict[str, Any] | Response:
@@ -268,7 +237,7 @@ def best(sub: Submitted, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def completion_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
     jobs, n = sub.jobs, sub.jobs.n
     choices = [
-        openai.choice(
+        choice(
             k,
             (jobs.prompts[k // n] if jobs.echo else "") + r["text"],
             r["finish_reason"],
@@ -279,7 +248,7 @@ def completion_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, 
         )
         for k, r in enumerate(results)
     ]
-    return openai.completion(sub.response_id, sub.model, choices, openai.usage_of(results), sub.created)
+    return completion(sub.response_id, sub.model, choices, common.usage_of(results), sub.created)
 
 
 class _Relay:
@@ -304,7 +273,7 @@ class _Relay:
         if ev.finish and ev.usage:
             self.counts[0] += ev.usage["prompt_tokens"]
             self.counts[1] += ev.usage["completion_tokens"]
-            self.counts[2] += openai.cached_tokens(ev.usage)
+            self.counts[2] += common.cached_tokens(ev.usage)
         return self.chunk(self.index[job_id], ev.text, ev.finish, ev.logprobs)
 
     def end(self, _, ev) -> sse.Last:
@@ -328,12 +297,12 @@ class _Relay:
 class _CompletionRelay(_Relay):
     def chunk(self, i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> str:
         sub = self.sub
-        choice = openai.choice(i, text, finish, logprobs)
-        return sse.event(openai.completion(sub.response_id, sub.model, [choice], created=sub.created))
+        one = choice(i, text, finish, logprobs)
+        return sse.event(completion(sub.response_id, sub.model, [one], created=sub.created))
 
     def usage_chunk(self) -> str:
         sub = self.sub
-        return sse.event(openai.completion(sub.response_id, sub.model, [], openai.usage(*self.counts), sub.created))
+        return sse.event(completion(sub.response_id, sub.model, [], common.usage(*self.counts), sub.created))
 
     def head(self) -> list[str]:
         jobs = self.sub.jobs
@@ -346,39 +315,39 @@ class _CompletionRelay(_Relay):
 def chat_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
     top = sub.jobs.params.logprobs
     choices = [
-        openai.ChatChoice(
+        chat.ChatChoice(
             index=k,
-            message=openai.AssistantMessage(content=r["text"]),
-            finish_reason=openai.finish(r["finish_reason"]),
-            logprobs=openai.logprobs_of(r.get("logprobs"), top or 0) if top is not None else None,
+            message=chat.AssistantMessage(content=r["text"]),
+            finish_reason=common.finish(r["finish_reason"]),
+            logprobs=chat.logprobs_of(r.get("logprobs"), top or 0) if top is not None else None,
         )
         for k, r in enumerate(results)
     ]
-    body = openai.ChatCompletionResponse(
-        id=sub.response_id, created=sub.created, model=sub.model, choices=choices, usage=openai.usage_of(results)
+    body = chat.ChatCompletionResponse(
+        id=sub.response_id, created=sub.created, model=sub.model, choices=choices, usage=common.usage_of(results)
     )
     return body.model_dump(mode="json")
 
 
 class _ChatRelay(_Relay):
-    def _event(self, choices: list[openai.ChatStreamChoice], usage: openai.Usage | None = None) -> str:
+    def _event(self, choices: list[chat.ChatStreamChoice], usage: common.Usage | None = None) -> str:
         sub = self.sub
-        chunk = openai.ChatCompletionChunk(
+        chunk = chat.ChatCompletionChunk(
             id=sub.response_id, created=sub.created, model=sub.model, choices=choices, usage=usage
         )
         return sse.event(chunk.model_dump(mode="json", exclude=None if usage else {"usage"}))
 
     def chunk(self, i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> str:
         top = self.sub.jobs.params.logprobs
-        lp = openai.logprobs_of(logprobs, top) if top is not None and logprobs else None
-        delta = openai.Delta(content=text) if text or not finish else openai.Delta()
-        choice = openai.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=openai.finish(finish))
+        lp = chat.logprobs_of(logprobs, top) if top is not None and logprobs else None
+        delta = chat.Delta(content=text) if text or not finish else chat.Delta()
+        choice = chat.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=common.finish(finish))
         return self._event([choice])
 
     def usage_chunk(self) -> str:
-        return self._event([], openai.usage(*self.counts))
+        return self._event([], common.usage(*self.counts))
 
     def head(self) -> list[str]:
         # Every choice opens with the assistant's role, as vLLM's and OpenAI's streams do.
-        role = openai.Delta(role="assistant", content="")
-        return [self._event([openai.ChatStreamChoice(index=k, delta=role)]) for k in range(len(self.sub.ids))]
+        role = chat.Delta(role="assistant", content="")
+        return [self._event([chat.ChatStreamChoice(index=k, delta=role)]) for k in range(len(self.sub.ids))]

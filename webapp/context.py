@@ -109,11 +109,13 @@ def fits(prompt_tokens: int, max_new: int, max_model_len: int) -> bool:
     return prompt_tokens + max_new <= max_model_len
 
 
-def too_long(max_model_len: int, prompt_tokens: int, max_new: int, field: str) -> APIError:
+def too_long(
+    max_model_len: int, prompt_tokens: int, max_new: int, field: str, max_tokens_field: str = "max_new_tokens"
+) -> APIError:
     """vLLM's error for a request past the context, naming the field to shorten: the prompt
-    (`prompt`, `messages`) when it leaves no room for a single token, else `max_new_tokens`
-    (which the OpenAI routes call `max_tokens`)."""
-    param = field if prompt_tokens >= max_model_len else "max_new_tokens"
+    (`prompt`, `messages`) when it leaves no room for a single token, else the request's
+    `max_tokens_field` (OpenAI's `max_tokens`, the job API's `max_new_tokens`)."""
+    param = field if prompt_tokens >= max_model_len else max_tokens_field
     return APIError(
         400,
         "prompt_too_long",

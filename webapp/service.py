@@ -174,53 +174,6 @@ class JobService:
 
     # -- submission ------------------------------------------------------------------------
 
-    def validate(self, prompts: list[str], params: SamplingParams) -> None:
-        """The limits that depend on this deployment's settings, not on the schema."""
-        limit = self.settings.max_new_tokens_limit
-        if params.max_new_tokens is not None and params.max_new_tokens > limit:
-            raise APIError(400, "invalid_request", f"max_new_tokens: must be at most {limit}")
-        if len(prompts) > self.settings.max_queue_depth:
-            # A 429 would tell the client to retry a request that can never fit.
-            raise APIError(
-                413,
-                "too_many_prompts",
-                f"{len(prompts)} prompts; at most {self.settings.max_queue_depth} jobs may wait "
-                "for a model, so send at most that many per request",
-                param="prompts",
-            )
-        for what, texts in (("prompt", prompts), ("stop", params.stop)):
-            if any("\0" in t for t in texts):
-                # Valid JSON, but C-string code on the way (tokenizers, engines) may cut there.
-                raise APIError(400, "invalid_request", f"{what}: must not contain NUL (\\u0000)", param=what)
-        longest = max((len(p) for p in prompts), default=0)
-        if longest > self.settings.max_prompt_chars:
-            raise APIError(
-                400,
-                "prompt_too_long",
-                f"prompt: {longest} characters; the limit is {self.settings.max_prompt_chars}",
-            )
-
-    def key_limits(self, prompts: list[str], params: SamplingParams, key: ApiKey | None) -> SamplingParams:
-        """An API key's own limits: its max_new_tokens ceiling (the default is kept under it
-        too), and no more prompts per request than it may have jobs waiting (a 429 would tell
-        the client to retry a request that can never fit)."""
-        if key is None:
-            return params
-        if key.max_queued is not None and len(prompts) > key.max_queued:
-            raise APIError(
-                413,
-                "too_many_prompts",
-                f"{len(prompts)} prompts; this API key may have at most {key.max_queued} jobs waiting",
-                param="prompts",
-            )
-        ceiling = key.max_new_tokens
-        if ceiling is not None and params.max_new_tokens is None:
-            if self.settings.default_max_new_tokens > ceiling:
-                return params.model_copy(update={"max_new_tokens": ceiling})
-        elif ceiling is not None and params.max_new_tokens > ceiling:
-            raise APIError(400, "invalid_request", f"max_new_tokens: must be at most {ceiling} (this API key's limit)")
-        return params
-
     def enqueue(
         self,
         prompts: list[str | list[int]],
@@ -232,10 +185,10 @@ class JobService:
         n: int = 1,
         chat: ChatOptions | None = None,
     ) -> list[str]:
-        """Record and enqueue one job per prompt, for a request that has been validated and
-        whose model is resolved (webapp.completions.CompletionService.submit does both); returns
-        their ids in order. `stream=False`
-        for jobs whose ids never reach a client: nobody could follow their token streams.
+        """Record and enqueue one job per prompt, for a request that has been checked against
+        the limits and whose model is resolved (webapp.completions.CompletionService.submit
+        does both); returns their ids in order. `stream=False` for jobs whose ids never reach a
+        client: nobody could follow their token streams.
         `sched`: the jobs' priority and deadline. `owner`: the request's API key (None: the API
         is open); the jobs carry its name and count against its quota. `n`: jobs per prompt
         (OpenAI's `n`), in a row, the j-th with `params.for_choice(j)` (its own seed). `chat`: the

@@ -26,8 +26,9 @@ from webapp.batches.output import expired_line, response_line
 from webapp.batches.store import FINAL, BatchStore
 from webapp.completions import CompletionService, Submitted
 from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status
-from webapp.protocol import openai
 from webapp.protocol.batches import BatchLine
+from webapp.protocol.chat import ChatCompletionRequest
+from webapp.protocol.completions import CompletionRequest
 from webapp.protocol.jobs import Scheduling
 
 log = logging.getLogger(__name__)
@@ -375,7 +376,7 @@ class BatchDriver:
             return "error", response_line(custom_id, 400, None, body), []
         try:
             chat = rec["endpoint"] == "/v1/chat/completions"
-            model = openai.ChatCompletionRequest if chat else openai.CompletionRequest
+            model = ChatCompletionRequest if chat else CompletionRequest
             jobs = model.model_validate(line.get("body")).to_jobs()
             if jobs.stream:
                 raise APIError(400, "invalid_request", "stream: a batch line cannot be streamed", param="stream")
@@ -388,7 +389,6 @@ class BatchDriver:
         except APIError as exc:
             if exc.status in (429, 503):
                 raise Backoff() from exc
-            exc = openai.named_as_requested(exc)  # `max_tokens`, as the routes say (not `max_new_tokens`)
             return "error", response_line(custom_id, exc.status, None, exc.body()), []
         entry = {"custom_id": custom_id, **sub.entry()}
         return "pending", json.dumps(entry), sub.ids

@@ -1,17 +1,18 @@
-"""The job API's wire formats (/v1/jobs), the teaching endpoints' (/basic_generate, /generate,
-/generate_vllm, /generate_stream) and the health routes': the request bodies (a prompt beside
-SamplingParams and Scheduling fields) and the bodies the routes answer with, which /openapi.json
-documents. What a job is to the workers (JobSpec, SamplingParams, GenerationResult) is
-tasks/schemas.py."""
+"""What every request becomes, `Jobs` (with its `Scheduling`), and the job API's wire formats
+(/v1/jobs), the teaching endpoints' (/basic_generate, /generate, /generate_vllm,
+/generate_stream) and the health routes': the request bodies (a prompt beside SamplingParams and
+Scheduling fields) and the bodies the routes answer with, which /openapi.json documents. What a
+job is to the workers (JobSpec, SamplingParams, GenerationResult) is tasks/schemas.py."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tasks.schemas import PRIORITY_MAX, PRIORITY_MIN, GenerationResult, JobStatus, SamplingParams
+from tasks.schemas import PRIORITY_MAX, PRIORITY_MIN, ChatOptions, GenerationResult, JobStatus, SamplingParams
 
 # The longest `timeout_s`, and the latest `deadline` (unix time), a job may ask for: beyond them
 # a time no longer fits a date (they are refused, not clamped).
@@ -48,6 +49,62 @@ def split_request(req: BaseModel, exclude: set[str]) -> tuple[SamplingParams, Sc
     data = req.model_dump(exclude=exclude)
     sched = {k: data.pop(k) for k in Scheduling.model_fields if k in data}
     return SamplingParams.model_validate(data), Scheduling.model_validate(sched)
+
+
+Api = Literal["completions", "chat", "teaching", "jobs"]
+
+
+@dataclass
+class Jobs:
+    """What a request asks of the queue, whatever door it came in by: each request model turns
+    itself into one (`to_jobs()`, or `Jobs.of`), which webapp.completions.CompletionService
+    checks against the limits, queues and answers. Each of `prompts` `n` times (prompt i's j-th
+    is job i * n + j, with `params.for_choice(j)`), at `sched`, for `model` (None: the default
+    one) or for a worker of `engine`. The rest says how to answer: `api`, `stream`, `echo` (the
+    prompt goes before its completion), `include_usage` (a stream's last chunk). `best_of`:
+    that many jobs per prompt instead of `n`, of which the answer keeps the `n` of highest
+    cumulative logprob. A prompt is a text or token ids."""
+
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    sched: Scheduling = field(default_factory=Scheduling)
+    model: str | None = None
+    engine: str | None = None
+    n: int = 1
+    api: Api = "completions"
+    stream: bool = False
+    echo: bool = False
+    include_usage: bool = False
+    chat: ChatOptions | None = None  # a conversation (the worker renders its prompt)
+    best_of: int | None = None
+    # The request's own name of `params.max_new_tokens` (OpenAI's `max_tokens`), which the errors
+    # about it name as their field; None: the body's fields are SamplingParams', and say so.
+    max_tokens_field: str | None = None
+
+    @property
+    def per_prompt(self) -> int:
+        """Jobs per prompt."""
+        return self.best_of or self.n
+
+    @property
+    def texts(self) -> list[str]:
+        """What the deployment's limits on prompts apply to: the prompts (token ids: none, the
+        worker checks their length), or the messages."""
+        if self.chat is None:
+            return [p if isinstance(p, str) else "" for p in self.prompts]
+        return ["\n".join(m.content for m in self.chat.messages)]
+
+    @property
+    def max_tokens_name(self) -> str:
+        """What the request calls `params.max_new_tokens`."""
+        return self.max_tokens_field or "max_new_tokens"
+
+    @classmethod
+    def of(cls, req: BaseModel, prompts: list[str], exclude: set[str], **kw: Any) -> Jobs:
+        """The jobs of a body that is SamplingParams and Scheduling fields beside `exclude`
+        (`/v1/jobs`, the teaching endpoints)."""
+        params, sched = split_request(req, exclude)
+        return cls(prompts, params, sched, **kw)
 
 
 class JobRequest(SamplingParams, Scheduling):

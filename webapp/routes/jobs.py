@@ -8,11 +8,11 @@ from flask import Blueprint, current_app, request, url_for
 
 from tasks.streams import parse_event_id
 from webapp import auth, sse
-from webapp.completions import Jobs, current_completions
+from webapp.completions import current_completions
 from webapp.errors import APIError, error_body, job_error_status
 from webapp.openapi import SSE, SUBMIT_ERRORS, Param, doc
-from webapp.protocol import openai
-from webapp.protocol.jobs import JobCreated, JobRequest, JobView
+from webapp.protocol.common import cached_tokens
+from webapp.protocol.jobs import JobCreated, JobRequest, Jobs, JobView
 from webapp.routes._body import parse
 from webapp.service import current_service
 
@@ -79,7 +79,7 @@ def stream_job(job_id: str):
         lp = {"logprobs": ev.logprobs} if ev.logprobs else {}
         if ev.finish:
             # cached_tokens 0 when a worker from before the prefix cache sent none.
-            usage = ev.usage and {**ev.usage, "cached_tokens": openai.cached_tokens(ev.usage)}
+            usage = ev.usage and {**ev.usage, "cached_tokens": cached_tokens(ev.usage)}
             done = {"text": ev.text, "finish_reason": ev.finish, "usage": usage, **lp}
             return sse.event(done, "done", ev.event_id)
         return sse.event({"index": ev.index, "text": ev.text, **lp}, "token", ev.event_id)

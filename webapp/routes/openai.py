@@ -7,58 +7,50 @@ from flask import Blueprint
 
 from webapp import auth
 from webapp.completions import current_completions
-from webapp.errors import APIError, error_response
 from webapp.openapi import BLOCKING_ERRORS, SSE, doc
-from webapp.protocol import openai
+from webapp.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
+from webapp.protocol.completions import CompletionRequest, CompletionResponse
+from webapp.protocol.models import ModelCard, ModelList
 from webapp.routes._body import parse
 from webapp.service import current_service
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
 
-@bp.errorhandler(APIError)
-def _named_as_requested(exc: APIError):
-    """Errors name OpenAI's fields (`max_tokens`), not the job's (`max_new_tokens`)."""
-    exc = openai.named_as_requested(exc)
-    return error_response(exc.status, exc.code, exc.message, exc.headers, exc.param)
-
-
 @bp.get("/models")
-@doc(response=openai.ModelList, errors=(503,))
+@doc(response=ModelList, errors=(503,))
 def models():
     """The models live workers serve."""
-    seen: dict[str, openai.ModelCard] = {}
+    seen: dict[str, ModelCard] = {}
     for w in current_service().live_workers(fresh=True):
-        card = seen.setdefault(
-            w.model, openai.ModelCard(id=w.model, created=int(w.started), max_model_len=w.max_model_len)
-        )
+        card = seen.setdefault(w.model, ModelCard(id=w.model, created=int(w.started), max_model_len=w.max_model_len))
         card.created = min(card.created, int(w.started))
         if w.device not in card.devices:
             card.devices.append(w.device)
-    return openai.ModelList(data=list(seen.values())).model_dump(mode="json")
+    return ModelList(data=list(seen.values())).model_dump(mode="json")
 
 
 @bp.post("/completions")
 @doc(
-    body=openai.CompletionRequest,
-    response=openai.CompletionResponse,
+    body=CompletionRequest,
+    response=CompletionResponse,
     stream=SSE("with `stream`: OpenAI's completion chunks, then `[DONE]`"),
     errors=BLOCKING_ERRORS,
 )
 def completions():
     """OpenAI's completions: every prompt its own job."""
-    req = parse(openai.CompletionRequest)
+    req = parse(CompletionRequest)
     return current_completions().answer(req.to_jobs(), auth.current_owner())
 
 
 @bp.post("/chat/completions")
 @doc(
-    body=openai.ChatCompletionRequest,
-    response=openai.ChatCompletionResponse,
+    body=ChatCompletionRequest,
+    response=ChatCompletionResponse,
     stream=SSE("with `stream`: OpenAI's chat completion chunks (each choice opens with its role), then `[DONE]`"),
     errors=BLOCKING_ERRORS,
 )
 def chat_completions():
     """OpenAI's chat completions: the model's chat template over the messages, every choice its own job."""
-    req = parse(openai.ChatCompletionRequest)
+    req = parse(ChatCompletionRequest)
     return current_completions().answer(req.to_jobs(), auth.current_owner())

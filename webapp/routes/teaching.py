@@ -10,9 +10,9 @@ from __future__ import annotations
 from flask import Blueprint, request
 
 from webapp import auth, sse
-from webapp.completions import Jobs, Submitted, current_completions
+from webapp.completions import Submitted, current_completions
 from webapp.openapi import BLOCKING_ERRORS, SSE, SUBMIT_ERRORS, doc
-from webapp.protocol.jobs import BasicGenerateRequest, BasicGenerateResponse, GenerateRequest, GenerateResponse
+from webapp.protocol.jobs import BasicGenerateRequest, BasicGenerateResponse, GenerateRequest, GenerateResponse, Jobs
 from webapp.routes._body import parse
 from webapp.service import current_service
 

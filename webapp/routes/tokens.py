@@ -8,7 +8,13 @@ from flask import Blueprint
 from webapp import tokens
 from webapp.completions import current_completions
 from webapp.openapi import SUBMIT_ERRORS, doc
-from webapp.protocol import openai
+from webapp.protocol.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChat,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from webapp.routes._body import parse
 from webapp.service import current_service
 
@@ -16,23 +22,23 @@ bp = Blueprint("tokens", __name__)
 
 
 @bp.post("/tokenize")
-@doc(body=openai.TokenizeRequest, response=openai.TokenizeResponse, errors=(*SUBMIT_ERRORS, 504), tag="tokens")
+@doc(body=TokenizeRequest, response=TokenizeResponse, errors=(*SUBMIT_ERRORS, 504), tag="tokens")
 def tokenize():
     """The token ids of a prompt, or of a conversation's prompt as its chat template renders it."""
-    req = parse(openai.TokenizeRequest).root
+    req = parse(TokenizeRequest).root
     body = {"op": "tokenize", "add_special_tokens": req.add_special_tokens, "return_token_strs": req.return_token_strs}
-    if isinstance(req, openai.TokenizeChat):
+    if isinstance(req, TokenizeChat):
         current_completions().require_chat_template(current_service().resolve_model(req.model))
         body["chat"] = req.chat_options().model_dump(mode="json")
     else:
         body["prompt"] = req.prompt
-    return openai.TokenizeResponse.model_validate(tokens.ask(current_service(), req.model, body)).model_dump()
+    return TokenizeResponse.model_validate(tokens.ask(current_service(), req.model, body)).model_dump()
 
 
 @bp.post("/detokenize")
-@doc(body=openai.DetokenizeRequest, response=openai.DetokenizeResponse, errors=(*SUBMIT_ERRORS, 504), tag="tokens")
+@doc(body=DetokenizeRequest, response=DetokenizeResponse, errors=(*SUBMIT_ERRORS, 504), tag="tokens")
 def detokenize():
     """The text of token ids."""
-    req = parse(openai.DetokenizeRequest)
+    req = parse(DetokenizeRequest)
     answer = tokens.ask(current_service(), req.model, {"op": "detokenize", "tokens": req.tokens})
-    return openai.DetokenizeResponse.model_validate(answer).model_dump()
+    return DetokenizeResponse.model_validate(answer).model_dump()
