@@ -8,7 +8,11 @@ import uuid
 import pytest
 
 from tasks.config import Settings, queue_for
+from tasks.schemas import JobStatus, SamplingParams
 from webapp import create_app
+from webapp.completions import EXTENSION, Submitted
+from webapp.errors import APIError
+from webapp.protocol.jobs import Jobs
 
 
 @pytest.fixture
@@ -282,3 +286,33 @@ def test_jobs_take_the_sampling_parameters(client):
     }
     resp = client.post("/v1/jobs", json={"prompt": "x", **params})
     assert resp.status_code == 202, resp.get_data(as_text=True)
+
+
+def test_limit_errors_name_the_requests_own_field(client):
+    """A request past max_tokens' limit hears of the field it sent: OpenAI's `max_tokens` (message
+    and param, whichever of max_tokens and max_completion_tokens chat sent), the job API's
+    `max_new_tokens` (in the message: its body's fields are the job's)."""
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 257}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 257}),
+    ):
+        err = assert_error(client.post(path, json=body), 400, "invalid_request")
+        assert (err["message"], err["param"]) == ("max_tokens: must be at most 256", "max_tokens")
+    err = assert_error(client.post("/v1/jobs", json={"prompt": "Hi", "max_new_tokens": 257}), 400, "invalid_request")
+    assert (err["message"], err["param"]) == ("max_new_tokens: must be at most 256", None)
+
+
+def test_a_failed_jobs_error_names_the_requests_own_field(client):
+    """A worker words its errors in the job's terms (`max_new_tokens=`); the answer to an OpenAI
+    request says `max_tokens`, as the request did, and a job's error stays as the worker wrote it."""
+    completions = client.application.extensions[EXTENSION]
+    service = completions.jobs
+    said = "the prompt has 70 tokens; with max_new_tokens=10 that exceeds the model's context of 64 tokens"
+    for field, expected in (("max_tokens", said.replace("max_new_tokens", "max_tokens")), (None, said)):
+        jobs = Jobs(["Hello"], SamplingParams(max_new_tokens=10), max_tokens_field=field)
+        (job_id,) = service.enqueue(jobs.prompts, jobs.params, service.settings.served_model, stream=False)
+        error = {"code": "prompt_too_long", "message": said}
+        assert service.store.transition(job_id, JobStatus.failed, (JobStatus.queued,), error=error)[0]
+        with pytest.raises(APIError) as exc:
+            completions.results(Submitted(jobs, [job_id], service.settings.served_model, 0))
+        assert (exc.value.status, exc.value.code, exc.value.message) == (400, "prompt_too_long", expected)
