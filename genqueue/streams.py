@@ -8,15 +8,21 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httpx
 
 from genqueue import errors
 from genqueue.errors import ConnectError, ServerError
 
-if TYPE_CHECKING:
-    from genqueue.client import Client
+
+class _Opens(Protocol):
+    """What a stream needs of its client (genqueue.client.Client)."""
+
+    max_reconnects: int
+
+    def _open_stream(self, job_id: str, last_event_id: str | int | None) -> httpx.Response: ...
+
 
 __all__ = ["Restart", "TokenStream"]
 
@@ -49,7 +55,7 @@ class TokenStream:
     `JobError`/`JobCancelled`. After an exception, iterating again resumes where it stopped.
     `close()` (or `with`) closes the connection."""
 
-    def __init__(self, client: Client, job_id: str, last_event_id: str | int | None = None):
+    def __init__(self, client: _Opens, job_id: str, last_event_id: str | int | None = None):
         self.client = client
         self.job_id = job_id
         self.last_event_id = None if last_event_id is None else str(last_event_id)

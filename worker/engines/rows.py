@@ -12,10 +12,10 @@ has put their keys/values there). Plain Python: the scheduler is tested with it 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from worker.engines.scheduler import Seq
+# A job in the engine (worker/engines/scheduler.py `Seq`): only its `background` is read here.
+Seq = Any
 
 
 class Follower(Protocol):
