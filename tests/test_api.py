@@ -316,3 +316,28 @@ def test_a_failed_jobs_error_names_the_requests_own_field(client):
         with pytest.raises(APIError) as exc:
             completions.results(Submitted(jobs, [job_id], service.settings.served_model, 0))
         assert (exc.value.status, exc.value.code, exc.value.message) == (400, "prompt_too_long", expected)
+
+
+COERCIONS = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "n": 1.0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "echo": 1}, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "4"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "true"}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": "7"}, "seed"),
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/detokenize", {"tokens": ["1", "2"]}, "tokens.0"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", COERCIONS, ids=[f"{p} {f}" for p, _, f in COERCIONS])
+def test_openai_routes_take_no_coerced_types(client, path, body, field):
+    """As /v1/jobs, and as vLLM's and OpenAI's servers: "4" is not a number, "yes" not a
+    boolean; the 400 names the field."""
+    err = assert_error(client.post(path, json=body), 400, "invalid_request")
+    # /tokenize's body is one of two shapes: its error names the field within the shape.
+    assert err["param"] is not None and field in (err["param"] if path != "/tokenize" else err["message"]), err

@@ -62,7 +62,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
@@ -70,7 +70,7 @@ class TextPart(BaseModel):
 class ChatMessageIn(BaseModel):
     """A message of the conversation: `content` is a string or a list of text parts."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
@@ -114,7 +114,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
     """Body of POST /v1/chat/completions. A field sent as null takes its default. vLLM's
     sampling and output fields (`VLLMFields`, `response_format` among them) as completions'."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     NEUTRAL = NEUTRAL
 
     model: str | None = None

@@ -31,7 +31,7 @@ def unsupported(field: str, why: str = "is not supported") -> APIError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="vLLM's; accepted, not used")
 

@@ -44,7 +44,7 @@ class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions. A field sent as null takes its default. `prompt`: text,
     several texts, token ids (`[10, 20, 30]`) or several prompts of token ids."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     NEUTRAL = NEUTRAL
 
     prompt: str | list[str] | list[int] | list[list[int]]

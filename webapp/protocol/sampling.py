@@ -61,7 +61,7 @@ CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 class JsonSchemaFormat(BaseModel):
     """`response_format.json_schema`: OpenAI's (vLLM's) named JSON Schema."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
@@ -71,7 +71,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON Schema."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -79,7 +79,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputsIn(BaseModel):
     """vLLM's `structured_outputs` (StructuredOutputsParams), as a request sends it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None

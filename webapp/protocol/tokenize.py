@@ -11,7 +11,7 @@ from webapp.protocol.chat import ChatTemplateFields
 class TokenizePrompt(BaseModel):
     """Body of POST /tokenize for a prompt."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str
@@ -22,7 +22,7 @@ class TokenizePrompt(BaseModel):
 class TokenizeChat(ChatTemplateFields):
     """Body of POST /tokenize for a conversation: the prompt its chat template renders."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     add_special_tokens: bool = Field(False, description="the template holds its special tokens already")
@@ -37,7 +37,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
