@@ -25,7 +25,8 @@ from tasks.schemas import JobSpec, JobStatus
 # fences a worker whose job was taken away from it.
 # KEYS: record, done stream, token stream. ARGV: to, allowed (comma list), TTL if final else '',
 # '1' to start an attempt, the attempt the caller holds ('' = none: the API), worker, delivery
-# tag, max attempts, then field/value pairs to set.
+# tag, max attempts, then (9-11) what a used-up job fails with, the prefixes of the queued, the
+# owner's queued and the in-flight keys (12-14: _KEY_PREFIXES), then field/value pairs to set.
 # Returns {moved, previous status, attempt, forgiven}; moved is 0 (not allowed or fenced), 1,
 # or 2 (an attempt was due but the job had used up its attempts: it is now failed,
 # worker_lost). Attempts its worker was lost on beside other jobs are `forgiven`
@@ -49,17 +50,17 @@ if ARGV[4] == '1' and cur == 'running' and attempts - forgiven >= tonumber(ARGV[
   redis.call('HSET', KEYS[1], 'error', ARGV[10], 'finished', ARGV[11])
 end
 if cur == 'queued' then
-  redis.call('ZREM', 'genq:queued:' .. redis.call('HGET', KEYS[1], 'queue'), id)
+  redis.call('ZREM', ARGV[12] .. redis.call('HGET', KEYS[1], 'queue'), id)
   local owner = redis.call('HGET', KEYS[1], 'owner')
-  if owner and owner ~= '' then redis.call('ZREM', 'genq:queued-by:' .. owner, id) end
+  if owner and owner ~= '' then redis.call('ZREM', ARGV[13] .. owner, id) end
 end
-if worker then redis.call('HDEL', 'genq:inflight:' .. worker, id) end
+if worker then redis.call('HDEL', ARGV[14] .. worker, id) end
 redis.call('HSET', KEYS[1], 'status', to)
-if moved == 1 and #ARGV > 11 then redis.call('HSET', KEYS[1], unpack(ARGV, 12)) end
+if moved == 1 and #ARGV > 14 then redis.call('HSET', KEYS[1], unpack(ARGV, 15)) end
 if moved == 1 and ARGV[4] == '1' then
   attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
   redis.call('HSET', KEYS[1], 'worker', ARGV[6], 'tag', ARGV[7])
-  redis.call('HSET', 'genq:inflight:' .. ARGV[6], id, ARGV[7])
+  redis.call('HSET', ARGV[14] .. ARGV[6], id, ARGV[7])
   if attempts > 1 and redis.call('EXISTS', KEYS[3]) == 1 then
     -- A new attempt's tokens replace the last one's; readers learn so from the marker.
     -- Trimmed, not deleted: the stream keeps its last entry id, so the marker's id is
@@ -75,6 +76,9 @@ if ttl ~= '' then
 end
 return {moved, cur, attempts, forgiven}
 """
+
+# The keys _TRANSITION names from the record's own queue, owner and worker, as ARGV 12-14.
+_KEY_PREFIXES = [keys.key_prefix(keys.queued), keys.key_prefix(keys.queued_by), keys.key_prefix(keys.inflight)]
 
 # _TRANSITION to succeeded, with the job's result written in the same call: the result
 # backend's SET, fenced like tasks/backend.py's (only while the writer's attempt, ARGV[5], is
@@ -318,6 +322,7 @@ class JobStore:
                 self.ttl,
                 json.dumps(worker_lost(self.max_attempts)),
                 repr(time.time()),
+                *_KEY_PREFIXES,
                 *flat,
             ],
         )

@@ -1,6 +1,15 @@
 """Names of every Redis key genqueue owns, in one place."""
 
+from collections.abc import Callable
+
 PREFIX = "genq"
+
+
+def key_prefix(key_of: Callable[[str], str]) -> str:
+    """What every key that `key_of` (a function below) names begins with: `key_prefix(queued)`
+    is `genq:queued:`. For Lua that builds such a key from a value it reads itself (a job
+    record's queue, owner, worker: tasks/jobs.py), which gets the prefix as an argument."""
+    return key_of("")
 
 
 def job(job_id: str) -> str:
@@ -71,7 +80,7 @@ def queued(queue: str) -> str:
 
 def queued_by(owner: str) -> str:
     """Ids of an owner's (an API key's name) queued jobs over all queues, scored like
-    `queued`: what its `max_queued` quota counts. tasks/jobs.py's Lua names it too."""
+    `queued`: what its `max_queued` quota counts."""
     return f"{PREFIX}:queued-by:{owner}"
 
 

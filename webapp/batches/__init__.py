@@ -1,5 +1,6 @@
-"""OpenAI's Batch API on the job queue: files (`files.py`), batches (`store.py`), the driver
-that runs them (`driver.py`) and their output lines (`output.py`). The wire formats are
+"""OpenAI's Batch API on the job queue: files (`files.py`), batches (`store.py`: with the file
+store, all their Redis), the driver that runs them (`driver.py`), the check of their input
+(`validation.py`) and their output lines (`output.py`). The wire formats are
 webapp/protocol/batches.py, the routes webapp/routes/batches.py; how a batch runs:
 docs/design.md, "Batches"."""
 

@@ -12,21 +12,17 @@ import json
 import logging
 import threading
 import time
-from typing import Any
 
 from pydantic import ValidationError
-from redis.exceptions import LockError
 
-from tasks import keys
 from tasks.schemas import PRIORITY_MAX, JobStatus
 from webapp.auth import ApiKey
 from webapp.batches.files import chunk_lines, now
-from webapp.batches.files import new_id as new_file_id
 from webapp.batches.output import expired_line, response_line
-from webapp.batches.store import FINAL, BatchStore
+from webapp.batches.store import FINAL, BatchStore, LockError
+from webapp.batches.validation import check_input
 from webapp.completions import CompletionService, Submitted
 from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status
-from webapp.protocol.batches import BatchLine
 from webapp.protocol.chat import ChatCompletionRequest
 from webapp.protocol.completions import CompletionRequest
 from webapp.protocol.jobs import Scheduling
@@ -37,8 +33,6 @@ TICK_S = 0.2
 # While lines move, the next tick comes sooner.
 BUSY_TICK_S = 0.05
 LOCK_S = 5
-# The most validation errors a failed batch lists.
-MAX_ERRORS = 100
 # Batch lines wait behind every interactive job (0 by default): vLLM's order, lower first.
 BATCH_PRIORITY = PRIORITY_MAX
 
@@ -54,10 +48,8 @@ class BatchDriver:
         self.service = service
         self.completions = CompletionService(service)
         self.store = store
-        self.r = store.r
         self.settings = store.settings
         self.files = store.files
-        self._advance, self._settle = store._advance, store._settle
         self.stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = 0.0
@@ -92,10 +84,10 @@ class BatchDriver:
         """One step of every active batch this process can lock; whether any line moved (then
         the next tick comes at once)."""
         moved = False
-        active = self.r.smembers(keys.BATCHES_ACTIVE)
+        active = self.store.active()
         self._room = self.fleet_room(active)
         for batch_id in active:
-            lock = self.r.lock(keys.batch_part(batch_id, "lock"), timeout=LOCK_S, blocking=False)
+            lock = self.store.lock(batch_id, LOCK_S)
             if not lock.acquire():
                 continue
             try:
@@ -122,26 +114,21 @@ class BatchDriver:
             room[model] = sum(w.capacity + w.reserved // 2 for w in workers if w.model == model)
         if not room:
             return room
-        pipe = self.r.pipeline(transaction=False)
-        for batch_id in active:
-            pipe.hvals(keys.batch_part(batch_id, "pending"))
-        for entries in pipe.execute():
-            for entry in entries:
-                model = json.loads(entry).get("model")
-                if model in room:
-                    room[model] -= 1
+        for entry in self.store.pending_of(active):
+            if entry.get("model") in room:
+                room[entry["model"]] -= 1
         return room
 
     def step(self, batch_id: str, lock) -> bool:
-        rec = self.r.hgetall(keys.batch(batch_id))
+        rec = self.store.record(batch_id)
         if not rec or rec["status"] in FINAL:
-            self.r.srem(keys.BATCHES_ACTIVE, batch_id)
+            self.store.deactivate(batch_id)
             return
         if rec["status"] == "validating":
             self.validate(rec, lock)
             return
         if rec["status"] == "in_progress" and time.time() >= float(rec["expires_at"]) and not rec.get("stopping"):
-            self.r.hset(keys.batch(batch_id), "stopping", "expired")
+            self.store.stop(batch_id, "expired")
             rec["stopping"] = "expired"
         # Why the batch stops early, if it does: cancelled, expired or failed (its input gone).
         stopping = rec.get("stopping") or ("cancelled" if rec["status"] == "cancelling" else None)
@@ -150,8 +137,8 @@ class BatchDriver:
         moved = self.collect(batch_id, stopping)
         if not stopping:
             moved += self.feed(rec, lock)
-        rec = self.r.hgetall(keys.batch(batch_id))
-        if self.r.hlen(keys.batch_part(batch_id, "pending")):
+        rec = self.store.record(batch_id)
+        if self.store.pending_count(batch_id):
             return moved > 0
         if rec.get("stopping") == "expired":
             self.expire_unfed(rec, lock)
@@ -159,83 +146,29 @@ class BatchDriver:
         elif rec["status"] == "cancelling":
             self.finalize(rec, "cancelled")
         elif int(rec["fed"]) >= int(rec["total"]):
-            self.r.hset(keys.batch(batch_id), mapping={"status": "finalizing", "finalizing_at": now()})
+            self.store.update(batch_id, status="finalizing", finalizing_at=now())
             self.finalize(rec, "completed")
 
     # -- validating
 
     def validate(self, rec: dict, lock) -> None:
-        """Check every line's shape (custom_id, method, url, body; custom_ids distinct)."""
-        batch_id, errors, seen, total, n = rec["id"], [], set(), 0, 0
-        if not self.r.exists(keys.file(rec["input_file_id"])):
-            errors.append(
-                {
-                    "code": "file_not_found",
-                    "message": f"input file {rec['input_file_id']} is gone",
-                    "param": "input_file_id",
-                    "line": None,
-                }
-            )
-        else:
-            started = time.monotonic()
-            for chunk in self.files.chunks(rec["input_file_id"]):
-                for text in chunk_lines(chunk):
-                    n += 1
-                    if not text.strip():
-                        continue
-                    total += 1
-                    problem = _line_problem(text, seen)
-                    if problem:
-                        errors.append({**problem, "line": n})
-                if len(errors) >= MAX_ERRORS:
-                    break
-                if time.monotonic() - started > LOCK_S / 3:
-                    lock.reacquire()  # LockError if lost: this pass ends, the holder validates
-                    started = time.monotonic()
-                time.sleep(0)  # let a gevent worker serve requests meanwhile
-            if total == 0 and not errors:
-                errors.append(
-                    {
-                        "code": "empty_file",
-                        "message": "the input file holds no request",
-                        "param": "input_file_id",
-                        "line": None,
-                    }
-                )
-        key = keys.batch(batch_id)
+        """Check every line's shape: validating -> in_progress, or failed with the errors."""
+        errors, total = check_input(self.files, rec["input_file_id"], lock, LOCK_S / 3)
         if errors:
-            at = now()
-            data = {"object": "list", "data": errors[:MAX_ERRORS]}
-            pipe = self.r.pipeline()
-            pipe.hset(key, mapping={"status": "failed", "failed_at": at, "errors": json.dumps(data), "total": total})
-            pipe.expire(key, self.settings.file_ttl)
-            pipe.srem(keys.BATCHES_ACTIVE, batch_id)
-            pipe.execute()
-            return
-
-        def start(pipe):
-            if pipe.hget(key, "status") != "validating":
-                return  # cancelled meanwhile: the next step ends it
-            pipe.multi()
-            pipe.hset(key, mapping={"status": "in_progress", "in_progress_at": now(), "total": total})
-
-        self.r.transaction(start, key)
+            self.store.fail_validation(rec["id"], errors, total)
+        else:
+            self.store.start(rec["id"], total)
 
     # -- collecting
 
     def collect(self, batch_id: str, stopping: str | None) -> int:
         """Settle the pending lines whose jobs all ended; returns how many."""
-        pending = self.r.hgetall(keys.batch_part(batch_id, "pending"))
-        if not pending:
+        entries = self.store.pending(batch_id)
+        if not entries:
             return 0
-        entries = {field: json.loads(value) for field, value in pending.items()}
         # First only each job's status (one small reply per job), then the whole records of
         # the lines whose jobs have all ended.
-        pipe = self.r.pipeline(transaction=False)
-        for entry in entries.values():
-            for job_id in entry["ids"]:
-                pipe.hget(keys.job(job_id), "status")
-        statuses = iter(pipe.execute())
+        statuses = iter(self.store.job_statuses([job_id for entry in entries.values() for job_id in entry["ids"]]))
         done = []
         for field, entry in entries.items():
             ended = [s is None or JobStatus(s).terminal for s in (next(statuses) for _ in entry["ids"])]
@@ -244,20 +177,8 @@ class BatchDriver:
         settled = 0
         for field in done:
             entry = entries[field]
-            pipe = self.r.pipeline(transaction=False)
-            for job_id in entry["ids"]:
-                pipe.hgetall(keys.job(job_id))
-            jobs = dict(zip(entry["ids"], pipe.execute()))
-            kind, line, tokens = self.output_line(entry, jobs, stopping)
-            settled += self._settle(
-                keys=[
-                    keys.batch(batch_id),
-                    keys.batch_part(batch_id, "pending"),
-                    keys.batch_part(batch_id, "out"),
-                    keys.batch_part(batch_id, "err"),
-                ],
-                args=[field, kind, line, *tokens],
-            )
+            kind, line, tokens = self.output_line(entry, self.store.job_records(entry["ids"]), stopping)
+            settled += self.store.settle(batch_id, field, kind, line, tokens)
         return settled
 
     def output_line(
@@ -311,14 +232,13 @@ class BatchDriver:
         """Put the next lines on the queue, up to the window; returns how many."""
         batch_id = rec["id"]
         key = self._owner_key(rec)
-        room = self.window(key) - self.r.hlen(keys.batch_part(batch_id, "pending"))
+        room = self.window(key) - self.store.pending_count(batch_id)
         chunk_i, offset = int(rec["chunk"]), int(rec["offset"])
         started, fed = time.monotonic(), 0
-        batch_keys = [keys.batch(batch_id), keys.batch_part(batch_id, "pending"), keys.batch_part(batch_id, "err")]
         cached: tuple[int, list[str]] | None = None
         while room > 0 and int(rec["fed"]) < int(rec["total"]):
             if cached is None or cached[0] != chunk_i:
-                chunk = self.r.lindex(keys.file_lines(rec["input_file_id"]), chunk_i)
+                chunk = self.files.chunk(rec["input_file_id"], chunk_i)
                 if chunk is None:
                     self._fail(
                         rec, "file_not_found", f"input file {rec['input_file_id']} was deleted or expired mid-batch"
@@ -327,7 +247,7 @@ class BatchDriver:
                 cached = (chunk_i, chunk_lines(chunk))
             lines = cached[1]
             if offset >= len(lines):
-                if not self._advance(keys=batch_keys, args=[chunk_i, offset, chunk_i + 1, 0, "skip", "", ""]):
+                if not self.store.advance(batch_id, (chunk_i, offset), (chunk_i + 1, 0)):
                     return fed
                 chunk_i, offset = chunk_i + 1, 0
                 continue
@@ -345,7 +265,7 @@ class BatchDriver:
                 except Backoff:
                     return fed
                 field = f"{chunk_i}:{offset}"
-            if not self._advance(keys=batch_keys, args=[chunk_i, offset, chunk_i, offset + 1, kind, field, value]):
+            if not self.store.advance(batch_id, (chunk_i, offset), (chunk_i, offset + 1), kind, field, value):
                 self.service.abandon(ids)  # the batch was taken over: its new holder feeds it
                 return fed
             offset += 1
@@ -407,8 +327,8 @@ class BatchDriver:
     def cancel_waiting(self, batch_id: str) -> None:
         """Cancel the jobs of pending lines that have not started; running ones finish."""
         error = {"code": "cancelled", "message": "the batch was cancelled"}
-        for value in self.r.hvals(keys.batch_part(batch_id, "pending")):
-            for job_id in json.loads(value)["ids"]:
+        for entry in self.store.pending(batch_id).values():
+            for job_id in entry["ids"]:
                 self.service.store.transition(
                     job_id, JobStatus.cancelled, (JobStatus.queued,), finished=repr(time.time()), error=error
                 )
@@ -416,10 +336,9 @@ class BatchDriver:
     def expire_unfed(self, rec: dict, lock) -> None:
         """Write the lines never fed to the error file as `batch_expired`, a chunk at a time,
         each chunk's lines and the cursor past them in one transaction."""
-        key, err = keys.batch(rec["id"]), keys.batch_part(rec["id"], "err")
         chunk_i, offset = int(rec["chunk"]), int(rec["offset"])
         while True:
-            chunk = self.r.lindex(keys.file_lines(rec["input_file_id"]), chunk_i)
+            chunk = self.files.chunk(rec["input_file_id"], chunk_i)
             if chunk is None:
                 return
             lines = []
@@ -429,82 +348,16 @@ class BatchDriver:
                         lines.append(expired_line(json.loads(text).get("custom_id")))
                     except (ValueError, AttributeError):
                         continue
-            pipe = self.r.pipeline()
-            if lines:
-                pipe.rpush(err, *lines)
-                pipe.hincrby(key, "failed", len(lines))
-                pipe.hincrby(key, "fed", len(lines))
-                pipe.hincrby(key, "err_bytes", sum(len(line.encode()) for line in lines))
-            pipe.hset(key, mapping={"chunk": chunk_i + 1, "offset": 0})
-            pipe.execute()
+            self.store.write_expired(rec["id"], lines, chunk_i + 1)
             chunk_i, offset = chunk_i + 1, 0
             lock.reacquire()
 
     def _fail(self, rec: dict, code: str, message: str) -> None:
         error = {"code": code, "message": message, "param": "input_file_id", "line": None}
-        self.r.hset(
-            keys.batch(rec["id"]),
-            mapping={"errors": json.dumps({"object": "list", "data": [error]}), "stopping": "failed"},
-        )
+        self.store.stop(rec["id"], "failed", [error])
         self.cancel_waiting(rec["id"])
-        self.r.hset(keys.batch(rec["id"]), "status", "cancelling")
+        self.store.update(rec["id"], status="cancelling")
 
     def finalize(self, rec: dict, final: str) -> None:
         """Rename `out` and `err` into the output and error files; end the batch."""
-        batch_id, owner, ttl = rec["id"], rec.get("owner", ""), self.settings.file_ttl
-        if rec.get("stopping") == "failed":
-            final = "failed"
-        key = keys.batch(batch_id)
-        at = now()
-
-        def end(pipe):
-            current = pipe.hgetall(key)
-            if not current or current["status"] in FINAL:
-                return
-            files = {}
-            for part, purpose, size in (("out", "output", "out_bytes"), ("err", "error", "err_bytes")):
-                if pipe.exists(keys.batch_part(batch_id, part)):
-                    files[part] = (new_file_id(), purpose, int(current.get(size) or 0))
-            pipe.multi()
-            fields: dict[str, Any] = {"status": final, f"{final}_at": at}
-            for part, (file_id, purpose, size) in files.items():
-                pipe.rename(keys.batch_part(batch_id, part), keys.file_lines(file_id))
-                pipe.expire(keys.file_lines(file_id), ttl)
-                meta = {
-                    "id": file_id,
-                    "bytes": size,
-                    "created_at": at,
-                    "filename": f"{batch_id}_{purpose}.jsonl",
-                    "purpose": "batch_output",
-                    "owner": owner,
-                    "expires_at": at + ttl,
-                }
-                pipe.hset(keys.file(file_id), mapping=meta)
-                pipe.expire(keys.file(file_id), ttl)
-                fields[f"{purpose}_file_id"] = file_id
-            pipe.hset(key, mapping=fields)
-            pipe.expire(key, ttl)
-            pipe.delete(keys.batch_part(batch_id, "pending"))
-            pipe.srem(keys.BATCHES_ACTIVE, batch_id)
-
-        self.r.transaction(end, key, keys.batch_part(batch_id, "out"), keys.batch_part(batch_id, "err"))
-
-
-def _line_problem(text: str, seen: set[str]) -> dict | None:
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return {"code": "invalid_json_line", "message": "this line is not valid JSON", "param": None}
-    try:
-        line = BatchLine.model_validate(obj)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]["loc"]
-        return {"code": "invalid_request", "message": describe(exc), "param": ".".join(str(p) for p in first) or None}
-    if line.custom_id in seen:
-        return {
-            "code": "duplicate_custom_id",
-            "message": f"custom_id {line.custom_id!r} is used more than once",
-            "param": "custom_id",
-        }
-    seen.add(line.custom_id)
-    return None
+        self.store.finalize(rec["id"], "failed" if rec.get("stopping") == "failed" else final, rec.get("owner", ""))

@@ -139,6 +139,13 @@ class FileStore:
         ids.check("file", file_id)  # before Redis: `file-…:lines` names the content list
         return owned(self.r.hgetall(keys.file(file_id)), owner, "file", file_id)
 
+    def exists(self, file_id: str) -> bool:
+        return bool(self.r.exists(keys.file(file_id)))
+
+    def chunk(self, file_id: str, i: int) -> str | None:
+        """The file's `i`-th chunk; None past its end or once the file is gone."""
+        return self.r.lindex(keys.file_lines(file_id), i)
+
     def chunks(self, file_id: str, start: int = 0, step: int = 64) -> Iterator[str]:
         """The file's content, chunk by chunk, `step` chunks per Redis call."""
         key = keys.file_lines(file_id)

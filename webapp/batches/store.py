@@ -1,22 +1,31 @@
 """The batch store (`/v1/batches`): a batch is a hash (`genq:batch:<id>`) of its status,
 timestamps, counts, usage and the feeding cursor into its input file; beside it `pending`
 (line -> its jobs), `out` and `err` (the output and error lines so far). The Lua scripts move
-the cursor and settle a line atomically, once each (docs/design.md, "Batches")."""
+the cursor and settle a line atomically, once each. Every Redis command of the routes and of
+the driver (webapp/batches/driver.py) is here or in the file store (docs/design.md, "Batches")."""
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterable
+from typing import Any
 
 import redis
+from redis.exceptions import LockError as LockError  # re-exported: the driver's lock was lost
+from redis.lock import Lock
 
 from tasks import keys
 from tasks.config import Settings
 from webapp import ids
 from webapp.auth import ApiKey
 from webapp.batches.files import FileStore, now
+from webapp.batches.files import new_id as new_file_id
 from webapp.errors import APIError, owned
 from webapp.protocol.batches import Batch, BatchList, BatchRequest
+
+# Where the driver feeds a batch from: (chunk of the input file, line in the chunk).
+Cursor = tuple[int, int]
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -159,3 +168,164 @@ class BatchStore:
 
         self.r.transaction(move, keys.batch(batch_id))
         return Batch.from_record(self.get(batch_id, owner))
+
+    # -- the driver's steps (webapp/batches/driver.py), each under the batch's lock
+
+    def active(self) -> set[str]:
+        """The batches not yet ended, which the driver moves on."""
+        return self.r.smembers(keys.BATCHES_ACTIVE)
+
+    def lock(self, batch_id: str, timeout: float) -> Lock:
+        """The batch's lock (not taken yet: `acquire` does not block), expiring after `timeout`
+        seconds, so that a process that dies holding it only delays its batch."""
+        return self.r.lock(keys.batch_part(batch_id, "lock"), timeout=timeout, blocking=False)
+
+    def record(self, batch_id: str) -> dict:
+        """The batch's hash as stored ({} once it is gone), whoever owns it."""
+        return self.r.hgetall(keys.batch(batch_id))
+
+    def update(self, batch_id: str, **fields: Any) -> None:
+        self.r.hset(keys.batch(batch_id), mapping=fields)
+
+    def stop(self, batch_id: str, why: str, errors: list[dict] | None = None) -> None:
+        """Mark the batch to stop early (`expired`, `failed`), with what failed it."""
+        fields: dict[str, Any] = {"stopping": why}
+        if errors:
+            fields = {"errors": _errors(errors), **fields}
+        self.update(batch_id, **fields)
+
+    def deactivate(self, batch_id: str) -> None:
+        self.r.srem(keys.BATCHES_ACTIVE, batch_id)
+
+    def fail_validation(self, batch_id: str, errors: list[dict], total: int) -> None:
+        """End a batch whose input is invalid: failed, listing `errors`, expiring with files."""
+        key = keys.batch(batch_id)
+        pipe = self.r.pipeline()
+        pipe.hset(key, mapping={"status": "failed", "failed_at": now(), "errors": _errors(errors), "total": total})
+        pipe.expire(key, self.settings.file_ttl)
+        pipe.srem(keys.BATCHES_ACTIVE, batch_id)
+        pipe.execute()
+
+    def start(self, batch_id: str, total: int) -> None:
+        """validating -> in_progress, with its `total` lines; not if it was cancelled meanwhile
+        (the driver's next step ends it)."""
+        key = keys.batch(batch_id)
+
+        def start(pipe):
+            if pipe.hget(key, "status") != "validating":
+                return
+            pipe.multi()
+            pipe.hset(key, mapping={"status": "in_progress", "in_progress_at": now(), "total": total})
+
+        self.r.transaction(start, key)
+
+    def pending(self, batch_id: str) -> dict[str, dict]:
+        """The batch's lines on the queue: `chunk:offset` -> its entry (custom_id and jobs:
+        webapp/completions.py `Submitted.entry`)."""
+        return {f: json.loads(v) for f, v in self.r.hgetall(keys.batch_part(batch_id, "pending")).items()}
+
+    def pending_count(self, batch_id: str) -> int:
+        return self.r.hlen(keys.batch_part(batch_id, "pending"))
+
+    def pending_of(self, batch_ids: Iterable[str]) -> list[dict]:
+        """The entries of all these batches' lines on the queue, in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for batch_id in batch_ids:
+            pipe.hvals(keys.batch_part(batch_id, "pending"))
+        return [json.loads(value) for values in pipe.execute() for value in values]
+
+    def job_statuses(self, job_ids: list[str]) -> list[str | None]:
+        """Each job's status (None: its record is gone), one small reply per job."""
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(keys.job(job_id), "status")
+        return pipe.execute()
+
+    def job_records(self, job_ids: list[str]) -> dict[str, dict]:
+        """Each job's whole record (tasks/jobs.py; {} once gone), in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(keys.job(job_id))
+        return dict(zip(job_ids, pipe.execute()))
+
+    def advance(
+        self, batch_id: str, at: Cursor, to: Cursor, kind: str = "skip", field: str = "", value: str = ""
+    ) -> bool:
+        """Move the feeding cursor from `at` to `to` (chunk, offset) with what became of the line
+        (ADVANCE: `value` is its pending entry's JSON or its error line); False, and nothing
+        done, if the cursor is no longer at `at`: another process took the batch over."""
+        return bool(
+            self._advance(
+                keys=[keys.batch(batch_id), keys.batch_part(batch_id, "pending"), keys.batch_part(batch_id, "err")],
+                args=[*at, *to, kind, field, value],
+            )
+        )
+
+    def settle(self, batch_id: str, field: str, kind: str, line: str, tokens: tuple[int, int, int]) -> bool:
+        """Write a pending line's output line (SETTLE); False if it was settled already."""
+        return bool(
+            self._settle(
+                keys=[
+                    keys.batch(batch_id),
+                    keys.batch_part(batch_id, "pending"),
+                    keys.batch_part(batch_id, "out"),
+                    keys.batch_part(batch_id, "err"),
+                ],
+                args=[field, kind, line, *tokens],
+            )
+        )
+
+    def write_expired(self, batch_id: str, lines: list[str], next_chunk: int) -> None:
+        """Append the `batch_expired` error lines of one chunk's lines never fed, counted, and
+        the cursor past that chunk, in one transaction."""
+        key, err = keys.batch(batch_id), keys.batch_part(batch_id, "err")
+        pipe = self.r.pipeline()
+        if lines:
+            pipe.rpush(err, *lines)
+            pipe.hincrby(key, "failed", len(lines))
+            pipe.hincrby(key, "fed", len(lines))
+            pipe.hincrby(key, "err_bytes", sum(len(line.encode()) for line in lines))
+        pipe.hset(key, mapping={"chunk": next_chunk, "offset": 0})
+        pipe.execute()
+
+    def finalize(self, batch_id: str, final: str, owner: str) -> None:
+        """End the batch as `final` (once: not if it is final already): `out` and `err` renamed
+        into its output and error files, the batch and they expiring after GENQ_FILE_TTL."""
+        ttl, key, at = self.settings.file_ttl, keys.batch(batch_id), now()
+
+        def end(pipe):
+            current = pipe.hgetall(key)
+            if not current or current["status"] in FINAL:
+                return
+            files = {}
+            for part, purpose, size in (("out", "output", "out_bytes"), ("err", "error", "err_bytes")):
+                if pipe.exists(keys.batch_part(batch_id, part)):
+                    files[part] = (new_file_id(), purpose, int(current.get(size) or 0))
+            pipe.multi()
+            fields: dict[str, Any] = {"status": final, f"{final}_at": at}
+            for part, (file_id, purpose, size) in files.items():
+                pipe.rename(keys.batch_part(batch_id, part), keys.file_lines(file_id))
+                pipe.expire(keys.file_lines(file_id), ttl)
+                meta = {
+                    "id": file_id,
+                    "bytes": size,
+                    "created_at": at,
+                    "filename": f"{batch_id}_{purpose}.jsonl",
+                    "purpose": "batch_output",
+                    "owner": owner,
+                    "expires_at": at + ttl,
+                }
+                pipe.hset(keys.file(file_id), mapping=meta)
+                pipe.expire(keys.file(file_id), ttl)
+                fields[f"{purpose}_file_id"] = file_id
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, ttl)
+            pipe.delete(keys.batch_part(batch_id, "pending"))
+            pipe.srem(keys.BATCHES_ACTIVE, batch_id)
+
+        self.r.transaction(end, key, keys.batch_part(batch_id, "out"), keys.batch_part(batch_id, "err"))
+
+
+def _errors(errors: list[dict]) -> str:
+    """A batch's `errors` field as stored: OpenAI's list object."""
+    return json.dumps({"object": "list", "data": errors})
