@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import redis
 
 from scripts import stack
 
@@ -243,19 +244,18 @@ class Processes:
     """Everything a benchmark starts, stopped in reverse order by `close()`."""
 
     def __init__(self, logdir: Path, log: Callable[[str], None] = log):
-        self.logdir = logdir
-        self.log = log
-        self.items: list = []
+        self.logdir, self.log, self.items = logdir, log, []
+
+    def add(self, item, first: bool = False):
+        """Stop `item` with the rest (`first`: after them all, e.g. the Redis they use)."""
+        self.items.insert(0 if first else len(self.items), item)
+        return item
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None):
-        p = stack.Proc(name, argv, env, self.logdir / f"{name}.log")
-        self.items.append(p)
-        return p
+        return self.add(stack.Proc(name, argv, env, self.logdir / f"{name}.log"))
 
     def redis(self):
-        r = stack.PrivateRedis()
-        self.items.append(r)
-        return r
+        return self.add(stack.PrivateRedis())
 
     def stop(self, item) -> None:
         item.stop()
@@ -308,8 +308,6 @@ class RedisTarget:
 
 
 def redis_version(url: str) -> str:
-    import redis
-
     try:
         return redis.Redis.from_url(url).info("server").get("redis_version", "?")
     except redis.RedisError:
@@ -326,9 +324,7 @@ class Stack:
         self.env = {"REDIS_URL": redis_url, "GENQ_MODEL": str(model_dir), "GENQ_MODEL_NAME": self.name}
         self.env |= {"GENQ_HOST": "127.0.0.1", "GENQ_MAX_BATCH_SIZE": str(batch), "GENQ_ENGINE": engine, **env}
         self.workers: list = []
-        self.started = 0  # workers started so far (each gets a log of its own)
-        self.api = None
-        self.port = 0
+        self.started, self.api, self.port = 0, None, 0  # started: workers so far (each logs to a file of its own)
 
     @property
     def worker(self):
@@ -348,9 +344,8 @@ class Stack:
         self.port = stack.free_port()
         env = {**self.env, "GENQ_PORT": str(self.port), "GENQ_API_WORKERS": str(api_workers)}
         self.api = self.procs.start(f"{self.label}-api{api_workers}", stack.api_argv(), env)
-        stack.wait_until(
-            lambda: stack.http_get(self.base + "/healthz")[0] == 200, 60, "the API", [self.api, *self.workers]
-        )
+        up = lambda: stack.http_get(self.base + "/healthz")[0] == 200  # noqa: E731
+        stack.wait_until(up, 60, "the API", [self.api, *self.workers])
         if ready_workers:
             self.wait_ready(ready_workers, what)
 
@@ -429,11 +424,6 @@ def table(headers: list[str] | str, rows: list[list]) -> str:
     return "\n".join(out)
 
 
-def columns(items, cols: list[tuple[str, Callable]]) -> str:
-    """A table of one row per item: `cols` are (header, the item's cell)."""
-    return table([h for h, _ in cols], [[cell(x) for _, cell in cols] for x in items])
-
-
 def verdict(ok: bool, what: str) -> tuple[str, str]:
     return ("PASS" if ok else "FAIL", what)
 
@@ -462,14 +452,11 @@ def intro(title: str, prog: str) -> str:
 
 
 def machine_facts() -> dict:
-    cpu_model = "?"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
+        lines = []
+    cpu_model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
     nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     out = {"nproc": nproc, "cpu_count": os.cpu_count(), "cpu_model": cpu_model}
     out |= {"ram_gib": psutil.virtual_memory().total / 2**30, "python": platform.python_version()}
@@ -638,13 +625,11 @@ def run_bench(prog: str, args, raw_argv: list[str] | None, measure, *, out_prefi
         arch = getattr(args, "arch", "opt")
         log(f"checkpoint {args.model} ({arch}): building if needed")
         model_dir = devmodels.ensure(args.model, checkpoint_dir(args.model, arch), arch=arch)
+        params = json.loads((model_dir / devmodels.MARKER_NAME).read_text()).get("parameters", 0)
         res.update(
-            model=args.model,
-            arch=arch,
-            model_dir_abs=str(model_dir),
-            model_dir=os.path.relpath(model_dir, ROOT),
-            params_m=json.loads((model_dir / devmodels.MARKER_NAME).read_text()).get("parameters", 0) / 1e6,
+            model=args.model, arch=arch, model_dir_abs=str(model_dir), model_dir=os.path.relpath(model_dir, ROOT)
         )
+        res["params_m"] = params / 1e6
     procs = Processes(outdir, log)
     interrupted = False
     try:
@@ -656,9 +641,7 @@ def run_bench(prog: str, args, raw_argv: list[str] | None, measure, *, out_prefi
         interrupted |= procs.close()  # a signal during the clean-up waits for its end
     if interrupted:
         return None
-    res["loadavg_end"] = os.getloadavg()
-    res["elapsed_s"] = time.monotonic() - started
-    res["outdir"] = os.path.relpath(outdir, ROOT)
+    res.update(loadavg_end=os.getloadavg(), elapsed_s=time.monotonic() - started, outdir=os.path.relpath(outdir, ROOT))
     (outdir / "results.json").write_text(json.dumps(res, indent=1, default=str))
     return res
 

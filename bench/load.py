@@ -189,7 +189,7 @@ def sse_request(endpoint: str = "jobs", expect_tokens: int = MAX_NEW_TOKENS) -> 
     """A streamed request, each token event timed when the bytes that complete it are read.
     `jobs`: POST /v1/jobs, then GET /v1/jobs/<id>/stream on the same connection; `completions`:
     POST /v1/completions with `"stream": true` (each chunk without a finish reason is a token).
-    Sets on the Req: ttft (to the first token event), ttft_text (to the first with text), gaps
+    Sets on the request: ttft (to the first token event), ttft_text (to the first with text), gaps
     (between token events), job_id, w_post and w_first (wall clock)."""
 
     def classify(event: str, payload: str) -> tuple[str, str]:
@@ -393,21 +393,11 @@ def measure_levels(
 
 
 def spawn_load(
-    procs,
-    port: int,
-    clients: int,
-    nprocs: int,
-    duration: float,
-    outdir,
-    tag: str,
-    meter: CpuMeter | None = None,
-    lead: float = 0.3,
-    max_new_tokens: int = MAX_NEW_TOKENS,
-    timeout: float = 120,
+    procs, port, clients, nprocs, duration, outdir, tag, meter: CpuMeter, max_new_tokens=MAX_NEW_TOKENS
 ) -> dict:
     """Closed-loop load on POST /basic_generate from `nprocs` processes of `python -m bench.load`
     (so the client's GIL is not the limit), `clients` threads in all, one shared window that
-    opens `lead` s after every process's clients have warmed up and lasts `duration` s; their
+    opens 0.3 s after every process's clients have warmed up and lasts `duration` s; their
     results merged. `meter` is called as the window opens and closes; its figures go to `cpu`,
     the load generators' own in `client` (not in `other`). Processes are started through
     `procs` (bench.common.Processes)."""
@@ -421,8 +411,8 @@ def spawn_load(
         flags = {"port": port, "clients": n, "duration": duration, "barrier": barrier, "warmup": 3, "offset": i * 7}
         argv = module_argv("bench.load", **flags, max_new_tokens=max_new_tokens, out=out)
         loaders.append((procs.start(f"{tag}-load{i}", argv), out))
-    # The window opens once every loader's clients have warmed up, however long that takes.
-    deadline = time.monotonic() + timeout
+    # The window opens once every loader's clients have warmed up (within 120 s).
+    deadline = time.monotonic() + 120
     while len(list(barrier.glob("ready-*"))) < nproc:
         dead = [p for p, _ in loaders if not p.alive()]
         if dead or time.monotonic() > deadline:
@@ -431,17 +421,14 @@ def spawn_load(
                 f"{(dead or [loaders[0][0]])[0].tail()}"
             )
         time.sleep(0.02)
-    start_at = time.time() + lead
+    start_at = time.time() + 0.3
     (barrier / "start.tmp").write_text(repr(start_at))
     (barrier / "start.tmp").rename(barrier / "start")
     time.sleep(max(0.0, start_at - time.time()))
-    if meter:
-        meter("start")
+    meter("start")
     time.sleep(max(0.0, start_at + duration - time.time()))
-    if meter:
-        meter("end")
-    parts = []
-    deadline = time.monotonic() + timeout
+    meter("end")
+    parts, deadline = [], time.monotonic() + 120  # for the loaders' results
     for p, out in loaders:
         while p.alive() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -465,10 +452,9 @@ def spawn_load(
         "window_rate": n / window if window else 0.0,
         **pcts(lat),
     }
-    if meter:
-        cpu = res["cpu"] = dict(meter.result)
-        cpu["client"] = sum(pt["client_cpu_s"] for pt in parts) / window if window else math.nan
-        cpu["other"] = max(0.0, cpu.get("other", 0.0) - cpu["client"])
+    cpu = res["cpu"] = dict(meter.result)
+    cpu["client"] = sum(pt["client_cpu_s"] for pt in parts) / window if window else math.nan
+    cpu["other"] = max(0.0, cpu.get("other", 0.0) - cpu["client"])
     return res
 
 

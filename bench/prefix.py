@@ -39,7 +39,7 @@ from bench.common import fmt as _f
 from bench.common import ms as _ms
 from bench.common import noise as _noise
 from bench.load import Conn, Loop, sse_events
-from bench.vllm import SHORT, TITLES, parse_dtypes, software, start_chosen
+from bench.vllm import SHORT, TITLES, parse_dtypes, software, start_chosen, system_lines
 
 LOADS = ("a", "b", "c")
 SYSTEMS = ("hf", "server")
@@ -123,9 +123,6 @@ def document(sizer: Sizer, target: int, seed: int, title: str) -> str:
     return grow([title, ""], lambda: _sentence(rng), sizer, target)
 
 
-# -- one streamed chat request -------------------------------------------------------------------
-
-
 def chat_body(model: str, messages: list[dict], max_tokens: int, ignore_eos: bool) -> bytes:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}
     return json.dumps(body | {"stream": True, "stream_options": {"include_usage": True}}).encode()
@@ -166,9 +163,6 @@ def chat_stream(expect_tokens: int | None = None):
         rq.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
     return one
-
-
-# -- the three loads ---------------------------------------------------------------------------
 
 
 def run_shared(running, args, texts: dict) -> dict:
@@ -327,9 +321,6 @@ def run_long_beside_streams(running, args, texts: dict) -> dict:
     return quietest(attempt, args, running.pids, log)
 
 
-# -- one system ------------------------------------------------------------------------------
-
-
 def server_prefix_caching(outdir: Path) -> str | None:
     """enable_prefix_caching / enable_chunked_prefill as the latest vLLM server log states them."""
     logs = sorted(outdir.glob("server-*.log"), key=lambda p: p.stat().st_mtime)
@@ -359,9 +350,6 @@ def run_system(
         return out
     finally:
         running.stop()
-
-
-# -- the page ----------------------------------------------------------------------------------
 
 
 def _ratio(a, b) -> float:
@@ -409,13 +397,7 @@ def render(res: dict) -> str:
         f"- Checkpoint: `{res['model_dir']}` ({res['model_desc']}); `POST {CHAT}`, streamed, temperature 0; "
         f"loads {', '.join(a['loads'])}"
     )
-    for k, s in systems.items():
-        if k == "server":
-            how = f"`{s['command']}`" + (f" ({s['caching']})" if s.get("caching") else "")
-        else:
-            env = " ".join(f"{e}={v}" for e, v in s["env"].items() if e != "HF_HUB_OFFLINE")
-            how = f"`GENQ_ENGINE=hf {env}`, GENQ_API_WORKERS={a['api_workers']}"
-        L.append(f"- {TITLES[k]}: {how}; **{s['dtype']}** ({s['dtype_why']}); ready after {s['startup_s']:.0f} s")
+    L += system_lines(systems, a)
     L.append(
         f"- a: {a['clients']} clients, a {res['texts']['system_tokens']}-token system prompt and one of 64 questions, "
         f"{a['new_tokens']} new tokens (EOS ignored), >= {a['duration']:g} s and >= {a['min_requests']} requests per client; "
@@ -462,9 +444,6 @@ def _cached(r: dict) -> str:
 
 def _turn(t: dict) -> list[str]:
     return [_f(t["ttft_p50"], 3), _cached(t)]
-
-
-# -- main -------------------------------------------------------------------------------------
 
 
 #: The loads' sizes: (option, default, what it sets), each 1 or more.

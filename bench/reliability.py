@@ -220,9 +220,6 @@ def prompts_for(n: int) -> list[str]:
     return [f"Job {i}: {prompt(i)}" for i in range(n)]
 
 
-# -- scenarios --------------------------------------------------------------------------------
-
-
 def pick_victim(fleet: Fleet, ids: list[str], tokens: int) -> tuple[str, list[str]]:
     """Mid-batch: once jobs run, the worker running most of them as soon as one of its jobs
     has a quarter of its tokens (or 10 s passed); returns its name and the jobs it runs."""
@@ -304,8 +301,7 @@ def redis_restart(procs: Processes, outdir: Path, plan: Plan) -> dict:
     """One worker, jobs queued and running; Redis SIGKILLed, probed, restarted (same port, dir)."""
     other = OtherLoad(ours_cpu_s)
     data = outdir / "redis-data"
-    db = stack.PrivateRedis(data)  # make run's: AOF, appendfsync everysec
-    procs.items.insert(0, db)  # stopped after the processes that use it
+    db = procs.add(stack.PrivateRedis(data), first=True)  # make run's: AOF, appendfsync everysec
     fleet = Fleet(procs, db.url, "redis", plan.beat)
     out: dict = {"jobs": plan.redis_jobs, "tokens": plan.redis_tokens}
     try:
@@ -351,8 +347,7 @@ def redis_restart(procs: Processes, outdir: Path, plan: Plan) -> dict:
         probe(t_kill + plan.outage_s)
         port = db.port
         procs.stop(db)  # the lock and the port (the dir stays: durable)
-        db = stack.PrivateRedis(data)
-        procs.items.insert(0, db)
+        db = procs.add(stack.PrivateRedis(data), first=True)
         t_up, t_up_wall = time.monotonic(), time.time()
         out.update(outage_s=t_up - t_kill, same_port=db.port == port)
         if db.port != port:
@@ -396,8 +391,7 @@ def sentinel_failover(procs: Processes, plan: Plan, min_replicas: int) -> dict:
     from tasks.config import Settings
 
     other = OtherLoad(ours_cpu_s)
-    sen = stack.SentinelRedis(min_replicas_to_write=min_replicas)
-    procs.items.insert(0, sen)  # stopped after the processes that use it
+    sen = procs.add(stack.SentinelRedis(min_replicas_to_write=min_replicas), first=True)
     env = {**plan.beat, "GENQ_REDIS_SENTINELS": sen.sentinels_env, "GENQ_REDIS_MASTER": sen.master_name}
     fleet = Fleet(procs, "redis://127.0.0.1:1/0", f"sentinel{min_replicas}", env)  # REDIS_URL: nowhere
     fleet.r.close()
@@ -529,9 +523,6 @@ def poison(procs: Processes, redis_url: str, plan: Plan) -> dict:
     finally:
         out["other_load"] = other()
         fleet.stop()
-
-
-# -- report -----------------------------------------------------------------------------------
 
 
 def _s(x, nd=1) -> str:
@@ -673,9 +664,6 @@ def render(res: dict) -> str:
     return "\n".join(L)
 
 
-# -- main -------------------------------------------------------------------------------------
-
-
 def parse_args(argv: list[str] | None):
     ap = parser("bench.reliability", __doc__, out="reliability.md", model=False, noise=False)
     ap.add_argument("--runs", type=int, default=5, help="runs of each fault, SIGKILL and SIGSTOP")
@@ -729,10 +717,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = _guarded(errors, f"{sig.name} run {n + 1}", fault_run, procs, db.url, plan, label, sig, reference)
                 r.setdefault("signal", sig.name)
                 res[sig.name.lower()].append(r)
-                log(
-                    f"  held {r.get('held')}, recovered in {_s(r.get('recovery_s'))} s, lost {r.get('lost')}, "
-                    f"duplicated {r.get('duplicated')}"
-                )
+                log(f"  held {r.get('held')}, recovered in {_s(r.get('recovery_s'))} s, lost {r.get('lost')}")
         if "redis" in args.only:
             log(f"Redis restart: {plan.redis_jobs} jobs x {plan.redis_tokens} tokens, one worker")
             res["redis"] = _guarded(errors, "Redis restart", redis_restart, procs, outdir, plan)
@@ -743,24 +728,15 @@ def main(argv: list[str] | None = None) -> int:
             r.setdefault("min_replicas_to_write", m)
             res["sentinel"].append(r)
             log(
-                f"  API back {_s(r.get('api_back_s'))} s after the kill, lost {r.get('lost')}, duplicated {r.get('duplicated')}"
+                f"  API back {_s(r.get('api_back_s'))} s after the kill, lost {r.get('lost')}, dup. {r.get('duplicated')}"
             )
         if "poison" in args.only:
             log("poison job")
             res["poison"] = _guarded(errors, "poison job", poison, procs, db.url, plan)
 
-    empty = {
-        "errors": [],
-        "sigkill": [],
-        "sigstop": [],
-        "reference": None,
-        "redis": None,
-        "sentinel": [],
-        "poison": None,
-    }
-    res = run_bench(
-        "bench.reliability", args, argv, measure, out_prefix="reliability-", log=log, plan=asdict(plan), **empty
-    )
+    empty = dict(errors=[], sigkill=[], sigstop=[], reference=None, redis=None, sentinel=[], poison=None)
+    facts = {"out_prefix": "reliability-", "log": log, "plan": asdict(plan), **empty}
+    res = run_bench("bench.reliability", args, argv, measure, **facts)
     if publish(res, args, render, INTRO, MARKER, log):
         return 130
     failed = [s for v, s in verdicts(res) if v != "PASS"]

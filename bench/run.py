@@ -70,9 +70,6 @@ def memory(api_pid: int) -> list[dict]:
     return rows
 
 
-# -- phases -----------------------------------------------------------------------------------
-
-
 def phase_inproc(procs: Processes, model_dir: Path, args, outdir: Path) -> dict:
     out = outdir / "inproc.json"
     batches = ",".join(map(str, args.levels))
@@ -141,9 +138,6 @@ def phase_echo(procs, redis_url, redis_pid, model_dir, args, outdir) -> dict:
     finally:
         st.stop()
     return {"runs": runs}
-
-
-# -- report -----------------------------------------------------------------------------------
 
 
 def targets(res: dict) -> list[tuple[str, str]]:
@@ -260,9 +254,6 @@ def render(res: dict) -> str:
 
 def _per(a, b) -> float | None:
     return a / b if a is not None and b else None
-
-
-# -- main -------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None):

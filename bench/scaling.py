@@ -107,9 +107,6 @@ def measure(args, procs: Processes, res: dict, outdir: Path) -> None:
     res["points"] = rows
 
 
-# -- report -----------------------------------------------------------------------------------
-
-
 def step_s(spec: str, batch: float) -> float:
     from worker.engines.sim import step_ms
 
@@ -177,9 +174,6 @@ def render(res: dict) -> str:
         L += ["", table(hdr, rows)]
     L.append("")
     return "\n".join(L)
-
-
-# -- main -------------------------------------------------------------------------------------
 
 
 def parse_args(argv):

@@ -74,9 +74,6 @@ def ttft_parts(r, timing: list[tuple[str, float, float]]) -> dict:
     return {k: median(v) for k, v in parts.items()} | {"n": len(parts["queue"]), "admissions": groups}
 
 
-# -- the run ----------------------------------------------------------------------------------
-
-
 def parse_args(argv):
     ap = parser("bench.stream", __doc__, levels=DEFAULT_LEVELS, out="benchmarks-streaming.md", render=True)
     ap.add_argument(
@@ -132,9 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = lambda: run_bench("bench.stream", args, argv, lambda *a: measure(args, *a), out_prefix="stream-", log=log)  # noqa: E731
     return main_with_render(args, run, render, INTRO, MARKER, log)
-
-
-# -- report -----------------------------------------------------------------------------------
 
 
 def target(res: dict) -> tuple[str, str]:

@@ -177,9 +177,6 @@ def software(res: dict, systems: list[str]) -> None:
     res["systems"] = {}
 
 
-# -- one system, started and stopped ----------------------------------------------------------
-
-
 class Running:
     """One started system: where to send requests, what to meter (`groups`; `pids`: the roots of
     its process trees, whose CPU is not "other"), how to stop it."""
@@ -426,9 +423,6 @@ def level_ratio(res: dict, kind: str, clients: int) -> float:
     return _ratio(a["rate"], b["rate"]) if a and b else math.nan
 
 
-# -- the page ---------------------------------------------------------------------------------
-
-
 def _levels(res: dict, kind: str) -> dict[int, dict]:
     s = res["systems"].get(kind)
     return {r["clients"]: r for r in s["levels"]} if s else {}
@@ -477,15 +471,7 @@ def render(res: dict) -> str:
         f"parameters, scripts/devmodels.py); `POST /v1/completions`, temperature 0, max_tokens {MAX_NEW_TOKENS}, "
         f"ignore_eos; >= {a['duration']:g} s and >= {a['min_requests']} requests per client per level"
     )
-    for k, s in systems.items():
-        if k == "server":
-            how = f"`{s['command']}`"
-        else:
-            env = " ".join(f"{e}={v}" for e, v in s["env"].items() if e != "HF_HUB_OFFLINE")
-            how = f"`GENQ_ENGINE={k} GENQ_MAX_BATCH_SIZE={MAX_NUM_SEQS} {env}`, GENQ_API_WORKERS={a['api_workers']}"
-            if k == "hf" and a.get("hf_workers", 1) > 1:
-                how += f", {a['hf_workers']} hf workers"
-        L.append(f"- {TITLES[k]}: {how}; **{s['dtype']}** ({s['dtype_why']}); ready after {s['startup_s']:.0f} s")
+    L += system_lines(systems, a, f"GENQ_MAX_BATCH_SIZE={MAX_NUM_SEQS} ")
     same = len({s["text"] for s in systems.values()}) == 1
     L.append(f"- Greedy text of the first prompt: {'the same on every system' if same else 'differs between systems'}")
 
@@ -545,15 +531,26 @@ def render(res: dict) -> str:
     return "\n".join(L)
 
 
+def system_lines(systems: dict, a: dict, batch: str = "") -> list[str]:
+    """A page's line per system: how it ran, its dtype and why, how long it took to start."""
+    out = []
+    for k, s in systems.items():
+        if k == "server":
+            how = f"`{s['command']}`" + (f" ({s['caching']})" if s.get("caching") else "")
+        else:
+            env = " ".join(f"{e}={v}" for e, v in s["env"].items() if e != "HF_HUB_OFFLINE")
+            how = f"`GENQ_ENGINE={k} {batch}{env}`, GENQ_API_WORKERS={a['api_workers']}"
+            how += f", {a['hf_workers']} hf workers" if k == "hf" and a.get("hf_workers", 1) > 1 else ""
+        out.append(f"- {TITLES[k]}: {how}; **{s['dtype']}** ({s['dtype_why']}); ready after {s['startup_s']:.0f} s")
+    return out
+
+
 def s_groups(kind: str) -> tuple[str, ...]:
     return {
         "hf": ("api", "worker", "redis"),
         "vllm": ("api", "worker", "engine core", "model", "redis"),
         "server": ("server", "engine core", "model"),
     }[kind]
-
-
-# -- main -------------------------------------------------------------------------------------
 
 
 def parse_dtypes(ap: argparse.ArgumentParser, text: str) -> dict[str, str]:
