@@ -72,15 +72,10 @@ def _measure(fns: dict, reps: int, max_other: float, quiet_wait: float, log) -> 
     out = {}
     for name, r in runs.items():
         quiet = [t for t, o in r if o <= max_other]
-        out[name] = {
-            "latency_s": median(quiet or [t for t, _ in r]),
-            "runs_s": [t for t, _ in r],
-            "runs_other": [o for _, o in r],
-            "quiet_runs": len(quiet),
-            "max_other": max_other,
-            "other_load": mean(o for t, o in r if o <= max_other) if quiet else mean(o for _, o in r),
-            "extra": extras[name],
-        }
+        others = [o for _, o in r]
+        out[name] = {"latency_s": median(quiet or [t for t, _ in r]), "runs_s": [t for t, _ in r], "runs_other": others}
+        out[name] |= {"quiet_runs": len(quiet), "max_other": max_other, "extra": extras[name]}
+        out[name]["other_load"] = mean(o for o in others if o <= max_other) if quiet else mean(others)
     return out
 
 
@@ -209,17 +204,11 @@ def run_prefill(model_dir: str, reps: int) -> dict:
                 nxt = o.logits[:, -1, :].argmax(-1)
                 steps.append(time.perf_counter() - t0)
                 cache = o.past_key_values
-    return {
-        "prompt_tokens": [int(e.input_ids.shape[1]) for e in encs],
-        "prefill_samples": len(pre),
-        "prefill_median_s": median(pre),
-        "prefill_p10_s": percentile(pre, 10),
-        "prefill_p90_s": percentile(pre, 90),
-        "tokenize_median_s": median(tok_t),
-        "decode_step_median_s": median(steps),
-        "decode_step_p90_s": percentile(steps, 90),
-        "other_load": other_s / sum(pre) if pre else float("nan"),
-    }
+    out = {"prompt_tokens": [int(e.input_ids.shape[1]) for e in encs], "prefill_samples": len(pre)}
+    out |= {"prefill_median_s": median(pre), "prefill_p10_s": percentile(pre, 10), "prefill_p90_s": percentile(pre, 90)}
+    out |= {"tokenize_median_s": median(tok_t), "decode_step_median_s": median(steps)}
+    out |= {"decode_step_p90_s": percentile(steps, 90), "other_load": other_s / sum(pre) if pre else float("nan")}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

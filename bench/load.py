@@ -323,26 +323,14 @@ def closed_loop(
             rate += sum(rq.ok for rq in counted) / span
     lat = [rq.latency for rq in ok]
     window = we - ws
-    return {
-        "clients": clients,
-        "requests": len(lat),
-        "errors": errors,
-        "error_sample": next((rq.error for rq in loop.records if rq.error), ""),
-        "window_s": window,
-        "window_start": ws,
-        "window_end": we,
-        "rate": rate,
-        "window_rate": len(lat) / window if window > 0 else 0.0,
-        "latencies": lat,
-        **pcts(lat),
-        "mean": mean(lat),
-        "min_per_client": min(in_window(), default=0),
-        "capped": capped,
-        "client_cpu_s": cpu1 - cpu0,
-        "requests_total": len(loop.records),
-        "stragglers": sum(t.is_alive() for t in loop.threads),
-        **(summarize(ok) if summarize else {}),
-    }
+    res = {"clients": clients, "requests": len(lat), "errors": errors}
+    res["error_sample"] = next((rq.error for rq in loop.records if rq.error), "")
+    res |= {"window_s": window, "window_start": ws, "window_end": we}
+    res |= {"rate": rate, "window_rate": len(lat) / window if window > 0 else 0.0}
+    res |= {"latencies": lat, **pcts(lat), "mean": mean(lat)}
+    res |= {"min_per_client": min(in_window(), default=0), "capped": capped, "client_cpu_s": cpu1 - cpu0}
+    res |= {"requests_total": len(loop.records), "stragglers": sum(t.is_alive() for t in loop.threads)}
+    return res | (summarize(ok) if summarize else {})
 
 
 def measure_levels(
@@ -439,19 +427,10 @@ def spawn_load(
     window = mean(pt["window_s"] for pt in parts)
     lat = sorted(x for pt in parts for x in pt["latencies"])
     n = sum(pt["requests"] for pt in parts)
-    res = {
-        "clients": clients,
-        "client_procs": nproc,
-        "requests": n,
-        "errors": sum(pt["errors"] for pt in parts),
-        "error_sample": next((pt["error_sample"] for pt in parts if pt["error_sample"]), ""),
-        "window_s": window,
-        "window_start": start_at,
-        "window_end": start_at + window,
-        "rate": sum(pt["rate"] for pt in parts),
-        "window_rate": n / window if window else 0.0,
-        **pcts(lat),
-    }
+    res = {"clients": clients, "client_procs": nproc, "requests": n, "errors": sum(pt["errors"] for pt in parts)}
+    res["error_sample"] = next((pt["error_sample"] for pt in parts if pt["error_sample"]), "")
+    res |= {"window_s": window, "window_start": start_at, "window_end": start_at + window}
+    res |= {"rate": sum(pt["rate"] for pt in parts), "window_rate": n / window if window else 0.0, **pcts(lat)}
     cpu = res["cpu"] = dict(meter.result)
     cpu["client"] = sum(pt["client_cpu_s"] for pt in parts) / window if window else math.nan
     cpu["other"] = max(0.0, cpu.get("other", 0.0) - cpu["client"])

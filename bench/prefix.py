@@ -39,7 +39,7 @@ from bench.common import fmt as _f
 from bench.common import ms as _ms
 from bench.common import noise as _noise
 from bench.load import Conn, Loop, sse_events
-from bench.vllm import SHORT, TITLES, parse_dtypes, software, start_chosen, system_lines
+from bench.vllm import SHORT, TITLES, parse_dtypes, software, start_chosen, system_lines, system_options
 
 LOADS = ("a", "b", "c")
 SYSTEMS = ("hf", "server")
@@ -387,16 +387,12 @@ def verdicts(res: dict) -> list[tuple[str, str]]:
 def render(res: dict) -> str:
     a, systems = res["args"], res["systems"]
     L = [MARKER, "", "## Latest run", "", *run_lines(res)]
-    L.append(
-        f"- CPU: {res['machine']['cpu_model']}; `GENQ_DTYPE=auto` here: {res['cpu']['auto']} ({res['cpu']['auto_why']})"
-    )
-    L.append(
-        f"- Software: Python {res['machine']['python']}; hf environment: {res['hf_env']}; vLLM environment: {res['vllm_env']}"
-    )
-    L.append(
+    L += [
+        f"- CPU: {res['machine']['cpu_model']}; `GENQ_DTYPE=auto` here: {res['cpu']['auto']} ({res['cpu']['auto_why']})",
+        f"- Software: Python {res['machine']['python']}; hf environment: {res['hf_env']}; vLLM environment: {res['vllm_env']}",
         f"- Checkpoint: `{res['model_dir']}` ({res['model_desc']}); `POST {CHAT}`, streamed, temperature 0; "
-        f"loads {', '.join(a['loads'])}"
-    )
+        f"loads {', '.join(a['loads'])}",
+    ]
     L += system_lines(systems, a)
     L.append(
         f"- a: {a['clients']} clients, a {res['texts']['system_tokens']}-token system prompt and one of 64 questions, "
@@ -466,27 +462,19 @@ SIZES = (
 
 def parse_args(argv):
     ap = parser("bench.prefix", __doc__, out="benchmarks-prefix.md", render=True, quiet_wait=True, model=False)
-    ap.set_defaults(quiet_wait=60.0)
+    system_options(ap, SYSTEMS)
     ap.add_argument(
-        "--model", dest="checkpoint", default="smollm2", help="smollm2 (scripts/realmodel.py), tiny, or a path"
+        "--model", dest="checkpoint", default="smollm2", help="smollm2 (scripts/realmodel.py), tiny, a path"
     )
     ap.add_argument("--loads", default="a,b,c", help="which loads, of a,b,c")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="which, in this order")
-    ap.add_argument("--dtypes", default="measure", help="measure, auto, float32, bfloat16, or hf=...,server=...")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of load a, and of each half of load c")
     ap.add_argument("--min-requests", type=int, default=2, help="load a: requests each client completes in the window")
     for flag, default, what in SIZES:
         ap.add_argument(flag, type=int, default=default, help=what)
     ap.add_argument("--hf-env", default="", help="more environment for the hf worker and API: NAME=VALUE,...")
-    ap.add_argument("--api-workers", type=int, default=1, help="GENQ_API_WORKERS for ours")
-    ap.add_argument("--torch-threads", type=int, default=None, help="GENQ_TORCH_THREADS for the hf worker")
-    ap.add_argument(
-        "--probe-duration", type=float, default=None, help="seconds of the dtype probe (min(8, --duration))"
-    )
     args = ap.parse_args(argv)
     args.loads = [x for x in LOADS if x in names(ap, args.loads, LOADS, "--loads")]
-    args.systems = names(ap, args.systems, SYSTEMS, "--systems")
-    args.dtypes = parse_dtypes(ap, args.dtypes)
+    args.systems, args.dtypes = names(ap, args.systems, SYSTEMS, "--systems"), parse_dtypes(ap, args.dtypes)
     for flag, _, _ in SIZES:
         if getattr(args, flag[2:].replace("-", "_")) < 1:
             ap.error(f"{flag} takes 1 or more")

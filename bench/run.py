@@ -205,17 +205,15 @@ def render(res: dict) -> str:
     gen = {r["batch"]: r for r in inproc["generate"]}
     eng = {r["batch"]: r for r in inproc["engine"]}
     L = [MARKER, "", "## Latest run", "", *run_lines(res)]
-    L.append(
+    L += [
         f"- Software: Python {m['python']}, torch {inproc['torch']} ({inproc['torch_threads']} threads), "
-        f"transformers {inproc['transformers']}, Redis {res['redis_version']} ({res['redis_kind']})"
-    )
-    L.append(
+        f"transformers {inproc['transformers']}, Redis {res['redis_version']} ({res['redis_kind']})",
         f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
         f"parameters, stored in float32); `model.generate` in float32, as the teaching server ran it; "
         f"{engine_dtype(res)}; one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}, API under gunicorn "
         f"({res['api_server']}); >= {a['duration']:g} s and >= {a['min_requests']} requests per client per "
-        f"level; in-process: median of {a['reps']} runs; echo: {a['echo_duration']:g} s"
-    )
+        f"level; in-process: median of {a['reps']} runs; echo: {a['echo_duration']:g} s",
+    ]
     L += verdict_lines("Targets", targets(res))
     L += ["", "## 1. API path: `POST /basic_generate` through the queue to the hf worker", ""]
     hdr = "clients|requests|req/s|p50 s|p90 s|p99 s|mean batch|queue wait s|in worker s|API cores|worker cores|errors"

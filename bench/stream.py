@@ -154,19 +154,15 @@ def render(res: dict) -> str:
         else '`POST /v1/completions` with `"stream": true`'
     )
     L = [MARKER, "", "## Latest run", "", *run_lines(res)]
-    L.append(
+    L += [
         f"- Software: Python {m['python']}, torch {ip['torch']} ({ip['torch_threads']} threads), transformers "
-        f"{ip['transformers']}, Redis {res['redis_version']} ({res['redis_kind']})"
-    )
-    L.append(
+        f"{ip['transformers']}, Redis {res['redis_version']} ({res['redis_kind']})",
         f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
-        f"parameters); one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}, GENQ_API_WORKERS={a['api_workers']}"
-    )
-    L.append(
+        f"parameters); one hf worker, GENQ_MAX_BATCH_SIZE={MAX_BATCH_SIZE}, GENQ_API_WORKERS={a['api_workers']}",
         f"- Requests: {endpoint}, {MAX_NEW_TOKENS} tokens, greedy, `ignore_eos`; >= {a['duration']:g} s and "
         f">= {a['min_requests']} requests per client per level. TTFT: POST sent -> first token event; ITL: gaps "
-        "between a request's token events, pooled"
-    )
+        "between a request's token events, pooled",
+    ]
     v, s = target(res)
     L += ["", "## Target", "", f"- **{v}** {s}; target: TTFT p50 at 1 stream <= in-process prefill + 50 ms"]
     L += ["", "## Streaming through the API", ""]

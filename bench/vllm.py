@@ -449,11 +449,8 @@ def verdicts(res: dict) -> list[tuple[str, str]]:
         tr, lr = level_ratio(res, "vllm", c), _ratio(ours[c]["p50"], srv[c]["p50"])
         what = f"vLLM engine, req/s at {c} clients: {tr:.2f} x (goal >= {TARGET_THROUGHPUT_RATIO} x)"
         out.append(verdict(tr >= TARGET_THROUGHPUT_RATIO, what))
-        out.append(
-            verdict(
-                lr <= TARGET_P50_RATIO, f"vLLM engine, p50 at {c} clients: {lr:.2f} x (goal <= {TARGET_P50_RATIO} x)"
-            )
-        )
+        what = f"vLLM engine, p50 at {c} clients: {lr:.2f} x (goal <= {TARGET_P50_RATIO} x)"
+        out.append(verdict(lr <= TARGET_P50_RATIO, what))
     return out
 
 
@@ -462,15 +459,13 @@ def render(res: dict) -> str:
     srv = _levels(res, "server")
     L = [MARKER, "", "## Latest run", "", *run_lines(res)]
     cpu = res["cpu"]
-    L.append(
+    L += [
         f"- Software: Python {res['machine']['python']}; hf environment: {res['hf_env']}; vLLM environment: "
-        f"{res['vllm_env']}; `GENQ_DTYPE=auto` here: {cpu['auto']} ({cpu['auto_why']})"
-    )
-    L.append(
+        f"{res['vllm_env']}; `GENQ_DTYPE=auto` here: {cpu['auto']} ({cpu['auto_why']})",
         f"- Checkpoint: `{res['model_dir']}` (random-weight {res.get('arch', 'opt')}, {res['params_m']:.1f}M "
         f"parameters, scripts/devmodels.py); `POST /v1/completions`, temperature 0, max_tokens {MAX_NEW_TOKENS}, "
-        f"ignore_eos; >= {a['duration']:g} s and >= {a['min_requests']} requests per client per level"
-    )
+        f"ignore_eos; >= {a['duration']:g} s and >= {a['min_requests']} requests per client per level",
+    ]
     L += system_lines(systems, a, f"GENQ_MAX_BATCH_SIZE={MAX_NUM_SEQS} ")
     same = len({s["text"] for s in systems.values()}) == 1
     L.append(f"- Greedy text of the first prompt: {'the same on every system' if same else 'differs between systems'}")
@@ -568,14 +563,19 @@ def parse_dtypes(ap: argparse.ArgumentParser, text: str) -> dict[str, str]:
     return out
 
 
+def system_options(ap: argparse.ArgumentParser, systems: tuple[str, ...]) -> None:
+    """The options of the systems this module starts, for bench.prefix too."""
+    ap.set_defaults(quiet_wait=60.0)
+    ap.add_argument("--systems", default=",".join(systems), help="which, in this order")
+    ap.add_argument("--dtypes", default="measure", help="measure, auto, float32, bfloat16, or SYSTEM=DTYPE,...")
+    ap.add_argument("--api-workers", type=int, default=1, help="GENQ_API_WORKERS for ours")
+    ap.add_argument("--torch-threads", type=int, default=None, help="GENQ_TORCH_THREADS for the hf worker")
+    ap.add_argument("--probe-duration", type=float, default=None, help="seconds of the dtype probe (8 at most)")
+
+
 def parse_args(argv):
     ap = parser("bench.vllm", __doc__, levels=DEFAULT_LEVELS, out="benchmarks-vllm.md", render=True, quiet_wait=True)
-    ap.set_defaults(quiet_wait=60.0)
-    ap.add_argument("--api-workers", type=int, default=1, help="GENQ_API_WORKERS for ours")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="which, in this order")
-    ap.add_argument(
-        "--dtypes", default="measure", help="measure, auto, float32, bfloat16, or hf=...,vllm=...,server=..."
-    )
+    system_options(ap, SYSTEMS)
     ap.add_argument(
         "--rounds",
         type=int,
@@ -584,14 +584,11 @@ def parse_args(argv):
         "level (0: one system after the other)",
     )
     ap.add_argument("--probe-clients", type=int, default=None, help="clients of the dtype probe (32)")
-    ap.add_argument("--probe-duration", type=float, default=None, help="seconds of the dtype probe (8)")
     ap.add_argument("--hf-workers", type=int, default=1, help="hf workers of the hf system")
-    ap.add_argument("--torch-threads", type=int, default=None, help="GENQ_TORCH_THREADS for the hf worker")
     ap.add_argument("--chat-clients", type=int, default=0, help="also load /v1/chat/completions at this many clients")
     args = ap.parse_args(argv)
     args.levels = int_list(ap, args.levels)
-    args.systems = names(ap, args.systems, SYSTEMS, "--systems")
-    args.dtypes = parse_dtypes(ap, args.dtypes)
+    args.systems, args.dtypes = names(ap, args.systems, SYSTEMS, "--systems"), parse_dtypes(ap, args.dtypes)
     if args.rounds < 0:
         ap.error("--rounds takes 0 or more")
     if args.hf_workers < 1:
