@@ -181,10 +181,7 @@ class CpuMeter:
     `other` is what processes outside the groups and this one used meanwhile."""
 
     def __init__(self, groups: dict):
-        self.groups = groups
-        self.procs: dict[str, list | None] = {}
-        self.start: dict[str, float] = {}
-        self.result: dict[str, float] = {}
+        self.groups, self.procs, self.start, self.result = groups, {}, {}, {}
 
     def _cpu(self, name) -> float:
         g = self.groups[name]
@@ -472,11 +469,8 @@ def git_state() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    dirty = [
-        ln[3:]
-        for ln in git("status", "--porcelain", "--", "worker", "tasks", "webapp", "scripts", "bench").splitlines()
-        if len(ln) > 3 and not ln.startswith("??")
-    ]
+    status = git("status", "--porcelain", "--", "worker", "tasks", "webapp", "scripts", "bench").splitlines()
+    dirty = [ln[3:] for ln in status if len(ln) > 3 and not ln.startswith("??")]
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or "?", "modified": dirty}
 
 

@@ -34,14 +34,19 @@ def own_cpu_s() -> float:
     return tree_cpu_s(os.getpid())
 
 
-def load_lm(model_dir: str, **tokenizer_kw):
-    """(tokenizer, the model in float32 for inference), transformers' chatter off."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+def load_lm(model_dir: str, **tokenizer_kw):
+    """(tokenizer, the model in float32 for inference)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
     tok = AutoTokenizer.from_pretrained(model_dir, **tokenizer_kw)
     return tok, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
@@ -102,14 +107,11 @@ def _serve_generate(model_dir: str, conn) -> None:
 
 
 def run_batches(model_dir: str, batches: list[int], reps: int, max_other: float, quiet_wait: float, log) -> dict:
-    from transformers.utils import logging as hf_logging
-
     from tasks.config import Settings
     from tasks.schemas import JobSpec, SamplingParams
     from worker.engines.hf import HFEngine
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    quiet_transformers()
     conn, child_conn = multiprocessing.Pipe()
     child = multiprocessing.get_context("spawn").Process(target=_serve_generate, args=(model_dir, child_conn))
     child.start()

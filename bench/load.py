@@ -454,17 +454,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.01)
         return float((args.barrier / "start").read_text())
 
-    bodies, window = generate_bodies(args.max_new_tokens), {"start_at": barrier, "max_window": args.duration}
-    res = closed_loop(
-        args.port,
-        args.clients,
-        args.duration,
-        bodies=bodies,
-        warmup=args.warmup,
-        offset=args.offset,
-        drain_timeout=30,
-        **window,
-    )
+    loop = {"bodies": generate_bodies(args.max_new_tokens), "warmup": args.warmup, "offset": args.offset}
+    window = {"start_at": barrier, "max_window": args.duration, "drain_timeout": 30}
+    res = closed_loop(args.port, args.clients, args.duration, **loop, **window)
     with open(args.out, "w") as fh:
         json.dump(res, fh)
     return 0

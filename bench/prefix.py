@@ -100,14 +100,8 @@ def grow(lines: list[str], more, sizer: Sizer, target: int) -> str:
 def system_prompt(sizer: Sizer, target: int, seed: int = 29) -> str:
     """An agent's rules, then its tools, about `target` tokens, the same every time."""
     rng = random.Random(seed)
-    head = [
-        "You are Atlas, the customer operations agent of a mid-sized online shop.",
-        "Follow every rule below in order. When a rule and a user's wish conflict, the rule wins.",
-        "",
-        "Rules:",
-    ]
     rules = iter(range(1, 10_000))
-    text = grow(head, lambda: f"{next(rules)}. {_sentence(rng)}", sizer, target * 2 // 3)
+    text = grow(list(_WORDS["agent"]), lambda: f"{next(rules)}. {_sentence(rng)}", sizer, target * 2 // 3)
     tools = iter(range(10_000))
     head = [text, "", "Tools you may call, one at a time, by name with JSON arguments:"]
     return grow(head, lambda: _tool(rng, next(tools)), sizer, target)
@@ -295,15 +289,12 @@ def run_long_beside_streams(running, args, texts: dict) -> dict:
             streams.stop()
         alone, beside = itl_gaps(streams.records, a0, a1), itl_gaps(streams.records, b0, b1)
         longs = [r for r in long.records if r.ok and r.end <= b1_wall]
-        r = {
-            "streams": args.streams,
-            "alone": {"gaps": len(alone), **pcts(alone, "itl_", (50, 90))},
-            "beside": {"gaps": len(beside), **pcts(beside, "itl_", (50, 90))},
-            "long": {"done": len(longs), "ttft_p50": percentile([x.ttft for x in longs], 50)},
-            "errors": sum(not x.ok for x in streams.records + long.records),
-            "error_sample": next((x.error for x in streams.records + long.records if x.error), ""),
-            "cpu": meter.result,
-        }
+        every = streams.records + long.records
+        r = {"streams": args.streams, "alone": {"gaps": len(alone), **pcts(alone, "itl_", (50, 90))}}
+        r["beside"] = {"gaps": len(beside), **pcts(beside, "itl_", (50, 90))}
+        r["long"] = {"done": len(longs), "ttft_p50": percentile([x.ttft for x in longs], 50)}
+        r |= {"errors": sum(not x.ok for x in every), "error_sample": next((x.error for x in every if x.error), "")}
+        r["cpu"] = meter.result
         cached = [x.cached for x in longs if x.cached is not None]
         r["long"]["prompt_tokens"] = mean(x.usage.get("prompt_tokens", math.nan) for x in longs)
         r["long"]["cached_tokens"] = mean(cached) if longs else None

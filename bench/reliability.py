@@ -271,12 +271,9 @@ def fault_run(procs, redis_url, plan: Plan, label: str, sig: signal.Signals | No
             moved = [r for r in recs if r.get("attempts", 0) > 1]
             restarted = [r["timings"]["started"] - t0 for r in moved]
             done = moved and all(r["status"] == "succeeded" for r in moved)
-            out.update(
-                moved=len(moved),
-                moved_not_held=sum(r["id"] not in held for r in moved),
-                restarted_s=min(restarted) if restarted else None,
-                recovery_s=max(r["timings"]["finished"] - t0 for r in moved) if done else None,
-            )
+            out.update(moved=len(moved), moved_not_held=sum(r["id"] not in held for r in moved))
+            out["restarted_s"] = min(restarted) if restarted else None
+            out["recovery_s"] = max(r["timings"]["finished"] - t0 for r in moved) if done else None
         if sig == signal.SIGSTOP:  # awake again: whatever it writes now must be discarded
             victim.signal(signal.SIGCONT)
             woke = time.monotonic()
@@ -361,12 +358,9 @@ def redis_restart(procs: Processes, outdir: Path, plan: Plan) -> dict:
         good = lambda r: r["status"] == "succeeded" and r["result"]["completion_tokens"] == plan.redis_tokens  # noqa: E731
         ok = [r for r in recs.values() if good(r)]
         out.update(succeeded=len(ok), **fleet.lost(recs, good), **duplicates(fleet, ids, first))
-        out.update(
-            attempts_over_1=sum(r.get("attempts", 0) > 1 for r in recs.values()),
-            worker_alive=fleet.workers[0].alive(),
-            last_done_s=max(r["timings"]["finished"] for r in ok) - t_up_wall if ok else None,
-            probes=probes,
-        )
+        out.update(attempts_over_1=sum(r.get("attempts", 0) > 1 for r in recs.values()), probes=probes)
+        out["worker_alive"] = fleet.workers[0].alive()
+        out["last_done_s"] = max(r["timings"]["finished"] for r in ok) - t_up_wall if ok else None
         return out
     finally:
         out["other_load"] = other()
@@ -458,18 +452,15 @@ def sentinel_failover(procs: Processes, plan: Plan, min_replicas: int) -> dict:
         recs = fleet.records(every, first)
         ok = [r for r in recs.values() if r.get("status") == "succeeded"]
         started = [r["timings"]["started"] - t_kill_wall for r in ok if r["timings"]["started"] > t_kill_wall]
+        before = len(ids) + len(steady_before)
+        out.update(accepted_before=before, accepted_after=len(every) - before, succeeded=len(ok), probes=probes)
+        out.update(fleet.lost(recs, lambda r: r.get("status") == "succeeded"), **duplicates(fleet, every, first))
+        out.update(attempts_over_1=sum(r.get("attempts", 0) > 1 for r in recs.values()))
         out.update(
-            accepted_before=len(ids) + len(steady_before),
-            accepted_after=len(every) - len(ids) - len(steady_before),
-            succeeded=len(ok),
-            **fleet.lost(recs, lambda r: r.get("status") == "succeeded"),
-            **duplicates(fleet, every, first),
-            attempts_over_1=sum(r.get("attempts", 0) > 1 for r in recs.values()),
-            worker_started_s=min(started) if started else None,
-            workers_alive=sum(w.alive() for w in fleet.workers),
-            workers_same=[w.pid for w in fleet.workers] == pids,
-            unrecoverable=fleet.log_count("Unrecoverable error"),
-            probes=probes,
+            worker_started_s=min(started) if started else None, workers_alive=sum(w.alive() for w in fleet.workers)
+        )
+        out.update(
+            workers_same=[w.pid for w in fleet.workers] == pids, unrecoverable=fleet.log_count("Unrecoverable error")
         )
         return out
     finally:
@@ -602,29 +593,16 @@ def render(res: dict) -> str:
         for n, r in faults:
             rows.append([r["signal"], n + 1, r.get("held", "?"), r.get("moved", "?")])
             rows[-1] += [_s(r.get(k)) for k in ("restarted_s", "recovery_s", "all_done_s")]
-            rows[-1] += [
-                r.get("lost", "?"),
-                r.get("duplicated", "?"),
-                "-" if r.get("mismatched") is None else r["mismatched"],
-            ]
+            mismatched = "-" if r.get("mismatched") is None else r["mismatched"]
+            rows[-1] += [r.get("lost", "?"), r.get("duplicated", "?"), mismatched]
             rows[-1] += [r.get("back_after_wake", "-"), _s(r["other_load"])]
         L.append(table(hdr + "|workers after SIGCONT|other load", rows))
     if rd := res["redis"]:
-        L += [
-            "",
-            "## Redis restart",
-            "",
-            f"One worker, {rd.get('jobs')} jobs of {rd.get('tokens')} tokens; seconds after Redis was back:",
-            "",
-        ]
+        L += ["", "## Redis restart", ""]
+        L += [f"One worker, {rd.get('jobs')} jobs of {rd.get('tokens')} tokens; seconds after Redis was back:", ""]
         hdr = "jobs|succeeded|lost|duplicated|outage s|API answers again s|all done s|worker survived"
         row = [rd.get("jobs"), *(rd.get(k, "?") for k in ("succeeded", "lost", "duplicated"))]
-        row += [
-            _s(rd.get("outage_s")),
-            _s(rd.get("api_back_s")),
-            _s(rd.get("last_done_s")),
-            _yes(rd.get("worker_alive")),
-        ]
+        row += [_s(rd.get(k)) for k in ("outage_s", "api_back_s", "last_done_s")] + [_yes(rd.get("worker_alive"))]
         L.append(table(hdr, [row]))
         groups: dict[tuple, list[dict]] = {}
         for pr in rd.get("probes", []):

@@ -100,11 +100,8 @@ def api_server_desc() -> str:
     text = (ROOT / "webapp" / "gunicorn_conf.py").read_text()
     m = re.search(r"^worker_class\s*=\s*['\"](\w+)['\"]", text, re.M)
     s = Settings()
-    extra = [
-        f"{getattr(s, field)} {label}"
-        for field, label in (("api_threads", "threads"), ("api_connections", "connections"))
-        if hasattr(s, field) and re.search(rf"_s\.{field}\b", text)
-    ]
+    fields = (("api_threads", "threads"), ("api_connections", "connections"))
+    extra = [f"{getattr(s, f)} {label}" for f, label in fields if hasattr(s, f) and re.search(rf"_s\.{f}\b", text)]
     return (m.group(1) if m else "sync") + (", " + ", ".join(extra) + " per worker" if extra else "")
 
 

@@ -72,13 +72,9 @@ def point(st: Stack, db: RedisTarget, r: redis.Redis, n: int, api_workers: int, 
     cpu = res["cpu"]
     res["jobs"] = job_stats(r, st.name, res["window_start"], res["window_end"])
     done = res["jobs"]["jobs"] or res["requests"]
-    res.update(
-        workers=n,
-        api_workers=api_workers,
-        calls=w.calls,
-        commands_per_job=sum(w.calls.values()) / done if done else float("nan"),
-        redis_exec_ms_per_job=w.usec / 1000 / done if done else float("nan"),
-    )
+    res.update(workers=n, api_workers=api_workers, calls=w.calls)
+    res["commands_per_job"] = sum(w.calls.values()) / done if done else float("nan")
+    res["redis_exec_ms_per_job"] = w.usec / 1000 / done if done else float("nan")
     log(
         f"{n:2d} workers, {api_workers} API: {res['rate']:.1f} jobs/s, queue p50 "
         f"{res['jobs']['queued_p50_s'] * 1000:.1f} ms, {res['commands_per_job']:.1f} Redis commands/job, cores: API "

@@ -61,11 +61,9 @@ def ttft_parts(r, timing: list[tuple[str, float, float]]) -> dict:
         if not (created and started and first and w_first):
             continue
         created, started = float(created), float(started)
-        xadd = int(first[0][0].split("-")[0]) / 1000.0
-        parts["api_submit"].append(created - w_post)
-        parts["queue"].append(started - created)
-        parts["worker_first"].append(xadd - started)
-        parts["deliver"].append(w_first - xadd)
+        xadd = int(first[0][0].split("-")[0]) / 1000.0  # the stream entry's id: when it was written
+        for k, v in zip(PARTS, (created - w_post, started - created, xadd - started, w_first - xadd)):
+            parts[k].append(v)
         firsts.append(xadd)
     # First tokens written within a few ms of one another came out of one admission (one
     # prefill of the newcomers, then one publisher write): count those groups.
@@ -148,11 +146,9 @@ def target(res: dict) -> tuple[str, str]:
 
 def render(res: dict) -> str:
     m, ip, rows, a = res["machine"], res["inproc"], res["levels"], res["args"]
-    endpoint = (
-        "`POST /v1/jobs`, then `GET /v1/jobs/<id>/stream` on the same connection"
-        if a["endpoint"] == "jobs"
-        else '`POST /v1/completions` with `"stream": true`'
-    )
+    endpoint = '`POST /v1/completions` with `"stream": true`'
+    if a["endpoint"] == "jobs":
+        endpoint = "`POST /v1/jobs`, then `GET /v1/jobs/<id>/stream` on the same connection"
     L = [MARKER, "", "## Latest run", "", *run_lines(res)]
     L += [
         f"- Software: Python {m['python']}, torch {ip['torch']} ({ip['torch_threads']} threads), transformers "

@@ -22,17 +22,9 @@ from worker.engines.logits import RowProcessors
 from worker.engines.sampling import sample
 
 ROWS = 32
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "color": {"enum": ["red", "green", "blue"]},
-        "name": {"type": "string", "maxLength": 12},
-    },
-    "required": ["ok", "n", "color", "name"],
-    "additionalProperties": False,
-}
+FIELDS = {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}
+FIELDS |= {"color": {"enum": ["red", "green", "blue"]}, "name": {"type": "string", "maxLength": 12}}
+SCHEMA = {"type": "object", "properties": FIELDS, "required": list(FIELDS), "additionalProperties": False}
 
 
 def batch(tok, vocab: int, constrained: int) -> tuple[list[SamplingParams], RowProcessors | None]:

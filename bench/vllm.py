@@ -106,20 +106,14 @@ def post_json(url: str, body: dict, timeout: float = 120) -> dict:
         return json.loads(resp.read())
 
 
-def _read(logfile: Path) -> str:
-    try:
-        return logfile.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
 def logged_dtype(kind: str, logfile: Path) -> str | None:
     """The dtype the system logged as it loaded: our worker's "weights in X (why)", vLLM's
     engine configuration ("... with config: ... dtype=torch.bfloat16, ...")."""
+    text = logfile.read_text(errors="replace") if logfile.exists() else ""
     if kind == "server":
-        m = re.search(r"Initializing a V1 LLM engine.*? with config: .*?\bdtype=torch\.(\w+)", _read(logfile))
+        m = re.search(r"Initializing a V1 LLM engine.*? with config: .*?\bdtype=torch\.(\w+)", text)
         return m.group(1) if m else None
-    found = re.findall(r"weights in (\w+) \(", _read(logfile))
+    found = re.findall(r"weights in (\w+) \(", text)
     return found[-1] if found else None
 
 
@@ -243,9 +237,8 @@ def start_server(dtype: str, procs: Processes, model_dir: Path, args, outdir: Pa
     server = procs.start(label, argv, {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "HF_HUB_OFFLINE": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        stack.wait_until(
-            lambda: stack.http_get(base + "/v1/models", timeout=5)[0] == 200, 600, "vLLM's server", [server]
-        )
+        up = lambda: stack.http_get(base + "/v1/models", timeout=5)[0] == 200  # noqa: E731
+        stack.wait_until(up, 600, "vLLM's server", [server])
         startup = time.monotonic() - t0
         model = json.loads(stack.http_get(base + "/v1/models")[1])["data"][0]["id"]
         logged = logged_dtype("server", outdir / f"{label}.log")
@@ -260,12 +253,6 @@ def start_server(dtype: str, procs: Processes, model_dir: Path, args, outdir: Pa
     cmd = " ".join(shlex.quote(x) for x in argv[1:] if x != str(port))
     info = {"startup_s": startup, "text": text, "command": cmd, "env": {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}}
     return Running("server", dtype, port, model, groups, [server.pid], lambda: procs.stop(server), info)
-
-
-def start_system(kind: str, dtype: str, procs: Processes, model_dir: Path, args, outdir: Path, label: str) -> Running:
-    if kind == "server":
-        return start_server(dtype, procs, model_dir, args, outdir, label)
-    return start_ours(kind, dtype, procs, model_dir, args, outdir, label)
 
 
 def probe(run: Running, args) -> dict:
@@ -312,7 +299,10 @@ def start_chosen(kind: str, spec: str, procs: Processes, model_dir: Path, args, 
 
     def start(dt: str) -> Running:
         starts.append(dt)
-        return start_system(kind, dt, procs, model_dir, args, outdir, f"{kind}-{dt}-{len(starts)}")
+        label = f"{kind}-{dt}-{len(starts)}"
+        if kind == "server":
+            return start_server(dt, procs, model_dir, args, outdir, label)
+        return start_ours(kind, dt, procs, model_dir, args, outdir, label)
 
     running = None
     try:
