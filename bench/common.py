@@ -1,7 +1,7 @@
-"""What every benchmark shares: the prompts, the generation length, small statistics, CPU
-meters, the processes a benchmark starts (Redis, an API and its workers), the Markdown report
-helpers and the `main` scaffolding (signals, output folder, results.json, the page below its
-marker line). The closed-loop HTTP driver is bench/load.py."""
+"""What every benchmark shares: prompts, statistics, CPU meters, the processes it starts (Redis,
+an API and its workers), the page's helpers and `main`'s scaffolding (signals, bench/out/,
+results.json, the page below its marker line). The HTTP load driver is bench/load.py; the
+methods are described in docs/benchmarks.md, "The harnesses"."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 import platform
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -20,30 +21,25 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+import redis
+
+from scripts import stack
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Every request asks for exactly this many tokens (EOS is ignored), so tokens/s = 32 x req/s.
 MAX_NEW_TOKENS = 32
 
 #: Varied short prompts: 8-12 tokens each (BOS included) with the opt-125m dev tokenizer.
-PROMPTS = [
-    "Hello, my name is John and I work as a",
-    "The capital of France is a city that",
-    "def fibonacci(n): return the",
-    "Once upon a time, in a land far away",
-    "In 2050, computers will be able to",
-    "import os and sys, then read the file",
-    "The quick brown fox jumps over the lazy dog",
-    "My favourite recipe for soup is made with",
-    "Redis is an in-memory data store used for",
-    "The best way to learn a new language is",
-    "Write a short poem about the sea and",
-    "Explain how a queue works in simple terms",
-    "The weather today is cold, so I will",
-    "A good cup of coffee needs fresh beans and",
-    "class Parser: parse the input and return",
-    "Three things every programmer should know:",
-]
+PROMPTS = (
+    "Hello, my name is John and I work as a|The capital of France is a city that|def fibonacci(n): return the|"
+    "Once upon a time, in a land far away|In 2050, computers will be able to|import os and sys, then read the file|"
+    "The quick brown fox jumps over the lazy dog|My favourite recipe for soup is made with|Redis is an in-memory data "
+    "store used for|The best way to learn a new language is|Write a short poem about the sea and|Explain how a queue "
+    "works in simple terms|The weather today is cold, so I will|A good cup of coffee needs fresh beans and|class "
+    "Parser: parse the input and return|Three things every programmer should know:"
+).split("|")
 
 
 def prompt(i: int) -> str:
@@ -58,6 +54,11 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(s) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def pcts(values: list[float], prefix: str = "", qs=(50, 90, 99)) -> dict[str, float]:
+    """{`prefix`p50: ..., `prefix`p90: ...} of `values`."""
+    return {f"{prefix}p{q}": percentile(values, q) for q in qs}
 
 
 def median(values: list[float]) -> float:
@@ -89,12 +90,11 @@ def wait_for_quiet(ours: Callable[[], float], max_other: float, timeout: float, 
         return False
     deadline = time.monotonic() + timeout
     quiet_since, told = None, False
-    b0, o0, t0 = system_busy_s(), ours(), time.monotonic()
+    meter = OtherLoad(ours)
     while True:
         time.sleep(0.5)
-        b1, o1, t1 = system_busy_s(), ours(), time.monotonic()
-        other = max(0.0, (b1 - b0) - (o1 - o0)) / (t1 - t0)
-        b0, o0, t0 = b1, o1, t1
+        other, t1 = meter(), time.monotonic()
+        meter.restart()
         if other <= max_other:
             quiet_since = quiet_since or t1
             if t1 - quiet_since >= settle:
@@ -130,8 +130,6 @@ def own_cpu_s() -> float:
 
 def tree(pid: int | None) -> list:
     """The process and all its descendants (psutil.Process objects); [] if it is gone."""
-    import psutil
-
     if not pid:
         return []
     try:
@@ -142,8 +140,6 @@ def tree(pid: int | None) -> list:
 
 
 def cpu_s(procs) -> float:
-    import psutil
-
     total = 0.0
     for p in procs:
         try:
@@ -158,6 +154,25 @@ def tree_cpu_s(pid: int | None) -> float:
     return cpu_s(tree(pid)) if pid else math.nan
 
 
+class OtherLoad:
+    """What processes other than ours (`ours()`: their CPU seconds) used since `restart()`:
+    `seconds()` of CPU, or as a call, cores."""
+
+    def __init__(self, ours: Callable[[], float] = own_cpu_s):
+        self.ours = ours
+        self.restart()
+
+    def restart(self) -> None:
+        self.b0, self.o0, self.t0 = system_busy_s(), self.ours(), time.monotonic()
+
+    def seconds(self) -> float:
+        return max(0.0, (system_busy_s() - self.b0) - (self.ours() - self.o0))
+
+    def __call__(self) -> float:
+        wall = time.monotonic() - self.t0
+        return self.seconds() / wall if wall > 0 else math.nan
+
+
 class CpuMeter:
     """CPU of named groups of processes (and of the rest of the machine) over a window, in
     cores; use as `on_window` of bench.load.closed_loop. A group is a pid (its process tree,
@@ -166,10 +181,7 @@ class CpuMeter:
     `other` is what processes outside the groups and this one used meanwhile."""
 
     def __init__(self, groups: dict):
-        self.groups = groups
-        self.procs: dict[str, list | None] = {}
-        self.start: dict[str, float] = {}
-        self.result: dict[str, float] = {}
+        self.groups, self.procs, self.start, self.result = groups, {}, {}, {}
 
     def _cpu(self, name) -> float:
         g = self.groups[name]
@@ -222,11 +234,6 @@ def quietest(attempt: Callable[[], dict], args, pids=(), log: Callable[[str], No
     return best
 
 
-def per_request_ms(r: dict, key: str) -> float:
-    """CPU ms per counted request of one group in a measured level (`cpu` from a CpuMeter)."""
-    return r["cpu"].get(key, math.nan) * r["cpu"].get("_wall", 0) / r["requests"] * 1000 if r["requests"] else math.nan
-
-
 # -- processes --------------------------------------------------------------------------------
 
 
@@ -234,23 +241,18 @@ class Processes:
     """Everything a benchmark starts, stopped in reverse order by `close()`."""
 
     def __init__(self, logdir: Path, log: Callable[[str], None] = log):
-        self.logdir = logdir
-        self.log = log
-        self.items: list = []
+        self.logdir, self.log, self.items = logdir, log, []
+
+    def add(self, item, first: bool = False):
+        """Stop `item` with the rest (`first`: after them all, e.g. the Redis they use)."""
+        self.items.insert(0 if first else len(self.items), item)
+        return item
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None):
-        from scripts import stack
-
-        p = stack.Proc(name, argv, env, self.logdir / f"{name}.log")
-        self.items.append(p)
-        return p
+        return self.add(stack.Proc(name, argv, env, self.logdir / f"{name}.log"))
 
     def redis(self):
-        from scripts import stack
-
-        r = stack.PrivateRedis()
-        self.items.append(r)
-        return r
+        return self.add(stack.PrivateRedis())
 
     def stop(self, item) -> None:
         item.stop()
@@ -292,8 +294,6 @@ class RedisTarget:
     """REDIS_URL when it answers, else a private redis-server of the benchmark's own."""
 
     def __init__(self, procs: Processes, private: bool = False):
-        from scripts import stack
-
         url = os.environ.get("REDIS_URL")
         self.proc = None
         if not private and stack.redis_answers(url):
@@ -305,8 +305,6 @@ class RedisTarget:
 
 
 def redis_version(url: str) -> str:
-    import redis
-
     try:
         return redis.Redis.from_url(url).info("server").get("redis_version", "?")
     except redis.RedisError:
@@ -314,34 +312,16 @@ def redis_version(url: str) -> str:
 
 
 class Stack:
-    """An API and its workers serving a model name of their own (own queue)."""
+    """An API and its workers serving a model name of their own (own queue); `env`: more
+    environment for both."""
 
-    def __init__(
-        self,
-        procs: Processes,
-        redis_url: str,
-        model_dir: Path | str,
-        engine: str,
-        label: str,
-        max_batch_size: int = 64,
-        **env: str,
-    ):
-        self.procs = procs
+    def __init__(self, procs: Processes, redis_url: str, model_dir, engine: str, label: str, batch: int = 64, **env):
+        self.procs, self.engine, self.label = procs, engine, label
         self.name = f"bench-{label}-{uuid.uuid4().hex[:6]}"
-        self.engine, self.label = engine, label
-        self.env = {
-            "REDIS_URL": redis_url,
-            "GENQ_MODEL": str(model_dir),
-            "GENQ_MODEL_NAME": self.name,
-            "GENQ_HOST": "127.0.0.1",
-            "GENQ_MAX_BATCH_SIZE": str(max_batch_size),
-            "GENQ_ENGINE": engine,
-            **env,
-        }
+        self.env = {"REDIS_URL": redis_url, "GENQ_MODEL": str(model_dir), "GENQ_MODEL_NAME": self.name}
+        self.env |= {"GENQ_HOST": "127.0.0.1", "GENQ_MAX_BATCH_SIZE": str(batch), "GENQ_ENGINE": engine, **env}
         self.workers: list = []
-        self.started = 0  # workers started so far (each gets a log of its own)
-        self.api = None
-        self.port = 0
+        self.started, self.api, self.port = 0, None, 0  # started: workers so far (each logs to a file of its own)
 
     @property
     def worker(self):
@@ -352,28 +332,22 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     def start_worker(self, **env: str):
-        from scripts import stack
-
         n, self.started = self.started, self.started + 1
         w = self.procs.start(f"{self.label}-worker{n or ''}", stack.worker_argv(self.engine), {**self.env, **env})
         self.workers.append(w)
         return w
 
     def start_api(self, api_workers: int, ready_workers: int = 1, what: str = "a ready worker") -> None:
-        from scripts import stack
-
         self.port = stack.free_port()
         env = {**self.env, "GENQ_PORT": str(self.port), "GENQ_API_WORKERS": str(api_workers)}
         self.api = self.procs.start(f"{self.label}-api{api_workers}", stack.api_argv(), env)
-        stack.wait_until(
-            lambda: stack.http_get(self.base + "/healthz")[0] == 200, 60, "the API", [self.api, *self.workers]
-        )
+        up = lambda: stack.http_get(self.base + "/healthz")[0] == 200  # noqa: E731
+        stack.wait_until(up, 60, "the API", [self.api, *self.workers])
         if ready_workers:
             self.wait_ready(ready_workers, what)
 
     def wait_ready(self, n: int = 1, what: str = "a ready worker", timeout: float = 600) -> None:
         """Until the API's /readyz counts at least `n` live workers."""
-        from scripts import stack
 
         def ready() -> bool:
             code, body = stack.http_get(self.base + "/readyz")
@@ -412,15 +386,10 @@ def job_stats(r, model: str, t0: float, t1: float) -> dict:
                 batches.append(json.loads(raw)["result"]["batch_size"])
             except (TypeError, ValueError, KeyError):
                 pass
-    return {
-        "jobs": len(picked),
-        "queued_s": mean(s - c for _, c, s, _ in picked),
-        "queued_p50_s": median([s - c for _, c, s, _ in picked]),
-        "run_s": mean(f - s for _, _, s, f in picked),
-        "total_s": mean(f - c for _, c, _, f in picked),
-        "batch_size_mean": mean(batches),
-        "batch_size_max": max(batches, default=math.nan),
-    }
+    queued = [s - c for _, c, s, _ in picked]
+    out = {"jobs": len(picked), "queued_s": mean(queued), "queued_p50_s": median(queued)}
+    out |= {"run_s": mean(f - s for _, _, s, f in picked), "total_s": mean(f - c for _, c, _, f in picked)}
+    return out | {"batch_size_mean": mean(batches), "batch_size_max": max(batches, default=math.nan)}
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -444,37 +413,55 @@ def noise(r: dict) -> str:
     return s + (" !" if r.get("noisy") else "")
 
 
-def table(headers: list[str], rows: list[list]) -> str:
+def table(headers: list[str] | str, rows: list[list]) -> str:
+    """A Markdown table; `headers` a list, or one string with `|` between them."""
+    headers = headers.split("|") if isinstance(headers, str) else headers
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(out)
 
 
-def machine_facts() -> dict:
-    import psutil
+def verdict(ok: bool, what: str) -> tuple[str, str]:
+    return ("PASS" if ok else "FAIL", what)
 
-    cpu_model = "?"
+
+def verdict_lines(title: str, verdicts: list[tuple[str, str]], none: str | None = None) -> list[str]:
+    """A page's section of verdicts, one `- **PASS** what` line each; with `none` (what to say
+    when there is no verdict) an overall line ends it."""
+    out = ["", f"## {title}", "", *(f"- **{v}** {what}" for v, what in verdicts)]
+    if none is not None and not verdicts:
+        out.append(f"- None decided: {none}")
+    elif none is not None:
+        met = sum(v == "PASS" for v, _ in verdicts)
+        failed = any(v == "FAIL" for v, _ in verdicts)
+        out.append(f"- Overall: **{'FAIL' if failed else 'PASS'}** ({met} of {len(verdicts)} met)")
+    return out
+
+
+def marker(prog: str) -> str:
+    """The line of a page below which `python -m prog` writes; what is above it is kept."""
+    return f"<!-- generated by `python -m {prog}`: everything below this line is overwritten -->"
+
+
+def intro(title: str, prog: str) -> str:
+    """The head of a new page (an existing page keeps its own, above the marker)."""
+    return f'# {title}\n\nWritten by `python -m {prog}`; docs/benchmarks.md, "The harnesses", says how it measures.\n'
+
+
+def machine_facts() -> dict:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return {
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "ram_gib": psutil.virtual_memory().total / 2**30,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "loadavg_start": os.getloadavg(),
-    }
+        lines = []
+    cpu_model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
+    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    out = {"nproc": nproc, "cpu_count": os.cpu_count(), "cpu_model": cpu_model}
+    out |= {"ram_gib": psutil.virtual_memory().total / 2**30, "python": platform.python_version()}
+    return out | {"kernel": platform.release(), "loadavg_start": os.getloadavg()}
 
 
 def git_state() -> dict:
     """The commit measured and the code files that differ from it (the working tree is what runs)."""
-    import subprocess
 
     def git(*a: str) -> str:
         try:
@@ -482,11 +469,8 @@ def git_state() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    dirty = [
-        ln[3:]
-        for ln in git("status", "--porcelain", "--", "worker", "tasks", "webapp", "scripts", "bench").splitlines()
-        if len(ln) > 3 and not ln.startswith("??")
-    ]
+    status = git("status", "--porcelain", "--", "worker", "tasks", "webapp", "scripts", "bench").splitlines()
+    dirty = [ln[3:] for ln in status if len(ln) > 3 and not ln.startswith("??")]
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or "?", "modified": dirty}
 
 
@@ -525,8 +509,6 @@ ARCHS = ("opt", "llama")
 
 def checkpoint_dir(model: str, arch: str = "opt") -> Path:
     """Where the dev checkpoint of this size and architecture (scripts/devmodels.py) lives."""
-    from scripts import stack
-
     if arch == "opt":
         return stack.TINY_MODEL_DIR if model == "tiny" else ROOT / ".models" / model
     return ROOT / ".models" / (f"tiny-{arch}" if model == "tiny" else f"{arch}-{model.split('-')[-1]}-random")
@@ -541,54 +523,35 @@ def parser(
     quiet_wait: bool = False,
     render: bool = False,
     model: bool = True,
+    noise: bool = True,
 ) -> argparse.ArgumentParser:
-    """The options every benchmark of the model path shares."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
-    if model:
-        ap.add_argument(
-            "--model",
-            choices=MODELS,
-            default="opt-125m",
-            help="size of the dev checkpoint to build (scripts/devmodels.py) and serve (default opt-125m)",
-        )
-        ap.add_argument(
-            "--arch",
-            choices=ARCHS,
-            default="opt",
-            help="its architecture (default opt; llama: a Llama-shaped checkpoint of that size)",
-        )
-    if levels is not None:
-        ap.add_argument("--levels", default=levels, help=f"concurrent clients (default {levels})")
-        ap.add_argument("--duration", type=float, default=20.0, help="seconds per level (default 20)")
-        ap.add_argument(
-            "--min-requests", type=int, default=3, help="requests each client completes per level (default 3)"
-        )
-    ap.add_argument(
-        "--max-other-load",
-        type=float,
-        default=0.3,
-        help="a measurement during which processes outside the benchmark used more CPU "
-        "cores than this is repeated (default 0.3)",
+    """The options benchmarks share; each option's help ends with its default."""
+    ap = argparse.ArgumentParser(
+        prog=f"python -m {prog}",
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ap.add_argument("--retries", type=int, default=2, help="repeats of a disturbed measurement (default 2)")
+    if model:
+        ap.add_argument("--model", choices=MODELS, default="opt-125m", help="dev checkpoint to build and serve")
+        ap.add_argument("--arch", choices=ARCHS, default="opt", help="its architecture (llama: a Llama of that size)")
+    if levels is not None:
+        ap.add_argument("--levels", default=levels, help="concurrent clients")
+        ap.add_argument("--duration", type=float, default=20.0, help="seconds per level")
+        ap.add_argument("--min-requests", type=int, default=3, help="requests each client completes per level")
+    if noise:
+        ap.add_argument(
+            "--max-other-load", type=float, default=0.3, help="repeat a measurement when others used more cores"
+        )
+        ap.add_argument("--retries", type=int, default=2, help="repeats of a disturbed measurement")
     if quiet_wait:
         ap.add_argument(
-            "--quiet-wait",
-            type=float,
-            default=90.0,
-            help="before each measurement, wait up to this long for the rest of the machine to "
-            "use at most --max-other-load cores (default 90 s; 0: do not wait)",
+            "--quiet-wait", type=float, default=90.0, help="seconds to wait for a quiet machine before each measurement"
         )
     if out is not None:
-        ap.add_argument("--out", type=Path, default=ROOT / "docs" / out)
+        ap.add_argument("--out", type=Path, default=ROOT / "docs" / out, help="the page to write")
         ap.add_argument("--no-write", action="store_true", help="print the report only")
     if render:
-        ap.add_argument(
-            "--render",
-            type=Path,
-            metavar="RESULTS_JSON",
-            help="only write the report of an earlier run from its results.json",
-        )
+        ap.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="only write the page of an earlier run")
     return ap
 
 
@@ -600,6 +563,22 @@ def int_list(ap: argparse.ArgumentParser, text: str, what: str = "--levels") -> 
     if not values or min(values) < 1:
         ap.error(f"{what} needs positive integers")
     return values
+
+
+def names(ap: argparse.ArgumentParser, text: str, choices, what: str) -> list[str]:
+    """Comma-separated distinct names among `choices`, in the order given."""
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or any(x not in choices for x in out) or len(set(out)) != len(out):
+        ap.error(f"{what} takes distinct names among {', '.join(choices)}")
+    return out
+
+
+def module_argv(module: str, **flags) -> list[str]:
+    """`python -m module --flag value ...` with this interpreter (`a_b=1`: `--a-b 1`)."""
+    argv = [sys.executable, "-m", module]
+    for k, v in flags.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv
 
 
 def _raise_interrupt(signum, frame):
@@ -615,16 +594,7 @@ def stop_on_signals() -> None:
         signal.signal(signal.SIGHUP, _raise_interrupt)
 
 
-def run_bench(
-    prog: str,
-    args,
-    raw_argv: list[str] | None,
-    measure: Callable[[Processes, dict, Path], None],
-    *,
-    out_prefix: str = "",
-    log: Callable[[str], None] = log,
-    **extra,
-) -> dict | None:
+def run_bench(prog: str, args, raw_argv: list[str] | None, measure, *, out_prefix="", log=log, **extra) -> dict | None:
     """What every benchmark's main does around its measurements: signals stop everything, an
     output folder bench/out/<prefix><timestamp>/ for logs and results.json, the run's facts
     (command, date, machine, arguments; with --model the checkpoint, built if needed), then
@@ -649,13 +619,11 @@ def run_bench(
         arch = getattr(args, "arch", "opt")
         log(f"checkpoint {args.model} ({arch}): building if needed")
         model_dir = devmodels.ensure(args.model, checkpoint_dir(args.model, arch), arch=arch)
+        params = json.loads((model_dir / devmodels.MARKER_NAME).read_text()).get("parameters", 0)
         res.update(
-            model=args.model,
-            arch=arch,
-            model_dir_abs=str(model_dir),
-            model_dir=os.path.relpath(model_dir, ROOT),
-            params_m=json.loads((model_dir / devmodels.MARKER_NAME).read_text()).get("parameters", 0) / 1e6,
+            model=args.model, arch=arch, model_dir_abs=str(model_dir), model_dir=os.path.relpath(model_dir, ROOT)
         )
+        res["params_m"] = params / 1e6
     procs = Processes(outdir, log)
     interrupted = False
     try:
@@ -667,16 +635,12 @@ def run_bench(
         interrupted |= procs.close()  # a signal during the clean-up waits for its end
     if interrupted:
         return None
-    res["loadavg_end"] = os.getloadavg()
-    res["elapsed_s"] = time.monotonic() - started
-    res["outdir"] = os.path.relpath(outdir, ROOT)
+    res.update(loadavg_end=os.getloadavg(), elapsed_s=time.monotonic() - started, outdir=os.path.relpath(outdir, ROOT))
     (outdir / "results.json").write_text(json.dumps(res, indent=1, default=str))
     return res
 
 
-def publish(
-    res: dict | None, args, render: Callable[[dict], str], intro: str, marker: str, log: Callable[[str], None] = log
-) -> int:
+def publish(res: dict | None, args, render: Callable[[dict], str], intro: str, marker: str, log=log) -> int:
     """Print the page (the generated part below `marker`) and, unless --no-write, write it
     below the hand-written part of --out."""
     if res is None:

@@ -1,13 +1,7 @@
-"""Structured output's cost per decode step: the hf engine's logits processing and sampling
-(worker/engines/logits.py: RowProcessors.apply, sample, update) for a batch of 32 rows, with
-0, 1, 8 and 32 of them constrained by a JSON schema (xgrammar bitmasks), beside a batch where
-nobody asks for any processing (no processors at all: what every unconstrained batch pays).
-
-Each grammar row's matcher is reset when its grammar completes, so every step fills a live
-mask. Logits are random (the mask's cost does not depend on them); the vocabulary is the tiny
-test tokenizer's, at the tiny model's width (4096) and at opt-125m's (50272; the extra ids are
-padding, never allowed). Steps of the configurations alternate, so the machine's noise falls on
-all of them alike; each figure is the median over rounds.
+"""Structured output's cost per decode step: the hf engine's logits processing and sampling for
+a batch of 32 rows with 0, 1, 8 and 32 of them under a JSON schema (xgrammar bitmasks), at two
+vocabulary widths; the configurations' steps alternate, each figure the median over rounds.
+Findings and method: docs/benchmarks.md, "structured output's cost per decode step"::
 
     .venv/bin/python -m bench.structured [--rounds 7] [--steps 50]
 """
@@ -28,17 +22,9 @@ from worker.engines.logits import RowProcessors
 from worker.engines.sampling import sample
 
 ROWS = 32
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "color": {"enum": ["red", "green", "blue"]},
-        "name": {"type": "string", "maxLength": 12},
-    },
-    "required": ["ok", "n", "color", "name"],
-    "additionalProperties": False,
-}
+FIELDS = {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}
+FIELDS |= {"color": {"enum": ["red", "green", "blue"]}, "name": {"type": "string", "maxLength": 12}}
+SCHEMA = {"type": "object", "properties": FIELDS, "required": list(FIELDS), "additionalProperties": False}
 
 
 def batch(tok, vocab: int, constrained: int) -> tuple[list[SamplingParams], RowProcessors | None]:
