@@ -17,6 +17,8 @@ from typing import Any
 import redis
 
 from tasks import keys
+from tasks.errors import CANCELLED, EXPIRED, JobError, QuotaExceeded, worker_lost
+from tasks.records import queued_record
 from tasks.schemas import JobSpec, JobStatus
 
 # Moves a job to a new status if its current one is allowed, and keeps what hangs off the
@@ -155,25 +157,6 @@ if redis.call('HGET', KEYS[1], 'attempts') == ARGV[1] then redis.call('HSET', KE
 # from then on (worker/tasks.py), so that a worker lost while it runs is charged to it alone.
 SOLO_AFTER_FORGIVEN = 2
 
-WORKER_LOST = "worker_lost"
-EXPIRED = {"code": "expired", "message": "the job's deadline passed while it waited; it did not run"}
-
-
-def worker_lost(attempts: int) -> dict[str, str]:
-    return {
-        "code": WORKER_LOST,
-        "message": f"the job's worker died or hung on {attempts} attempts that count (those lost "
-        "beside other running jobs do not); it is not tried again (GENQ_MAX_ATTEMPTS)",
-    }
-
-
-class QuotaExceeded(Exception):
-    """An owner already has `limit` jobs waiting (`queued` of them), too many for more."""
-
-    def __init__(self, owner: str, queued: int, limit: int | None):
-        super().__init__(f"{owner} has {queued} jobs waiting; the limit is {limit}")
-        self.owner, self.queued, self.limit = owner, queued, limit
-
 
 @dataclass
 class Attempt:
@@ -218,33 +201,11 @@ class JobStore:
         recorded; without them the caller publishes the jobs itself."""
         now = repr(time.time())
         owner = (specs[0].owner if specs else None) or ""
-        args: list = [max_depth, self.ttl, now, 11, "" if max_queued is None else max_queued, len(specs)]
-        for spec in specs:
-            args += [
-                "id",
-                spec.id,
-                "model",
-                spec.model,
-                "queue",
-                queue,
-                "status",
-                JobStatus.queued.value,
-                "created",
-                now,
-                "params",
-                spec.params.model_dump_json(exclude_defaults=True),
-                "attempts",
-                0,
-                "priority",
-                spec.priority,
-                "deadline",
-                "" if spec.deadline is None else repr(spec.deadline),
-                "owner",
-                owner,
-                # The message's content, to publish it again should the broker lose it.
-                "spec",
-                spec.model_dump_json(),
-            ]
+        records = [queued_record(spec, queue, now) for spec in specs]
+        fields = len(records[0]) if records else 0
+        args: list = [max_depth, self.ttl, now, fields, "" if max_queued is None else max_queued, len(specs)]
+        for rec in records:
+            args += [x for pair in rec.items() for x in pair]
         messages = messages or []
         args += [payload for _, payload in messages]
         owner_set = keys.queued_by(owner) if owner else ""
@@ -303,6 +264,7 @@ class JobStore:
     ) -> tuple[int, JobStatus | None, int, int]:
         flat: list[str] = []
         for k, v in fields.items():
+            v = v.stored() if isinstance(v, JobError) else v
             flat += [k, v if isinstance(v, str) else json.dumps(v)]
         script, extra_keys = self._transition, []
         if _result is not None:
@@ -320,7 +282,7 @@ class JobStore:
                 tag,
                 self.max_attempts,
                 self.ttl,
-                json.dumps(worker_lost(self.max_attempts)),
+                json.dumps(worker_lost(self.max_attempts).stored()),
                 repr(time.time()),
                 *_KEY_PREFIXES,
                 *flat,
@@ -360,12 +322,13 @@ class JobStore:
         self,
         job_id: str,
         status: JobStatus,
-        error: dict[str, str] | None = None,
+        error: JobError | None = None,
         fence: int | None = None,
         result: dict[str, Any] | None = None,
     ) -> tuple[bool, JobStatus | None]:
-        """`result`: the partial result of a failed job (a timeout keeps its text); a
-        succeeded job's result is in the result backend."""
+        """`error`: why it ended (stored with the field it concerns: tasks/errors.py).
+        `result`: the partial result of a failed job (a timeout keeps its text); a succeeded
+        job's result is in the result backend."""
         fields: dict[str, Any] = {"finished": repr(time.time())}
         if error:
             fields["error"] = error
@@ -410,7 +373,7 @@ class JobStore:
         return moved
 
     def cancel(self, job_id: str) -> tuple[bool, JobStatus | None]:
-        return self.finish(job_id, JobStatus.cancelled, {"code": "cancelled", "message": "cancelled by the client"})
+        return self.finish(job_id, JobStatus.cancelled, CANCELLED)
 
     def wait(
         self, job_id: str, timeout: float, exists: bool = False, result_key: str | bytes | None = None
@@ -439,37 +402,3 @@ class JobStore:
             rec = rec and self.expire_if_due(rec)
             if rec is None or JobStatus(rec["status"]).terminal or time.monotonic() >= deadline:
                 return rec
-
-
-def decode_record(rec: dict[str, str]) -> dict[str, Any]:
-    """The public view of a record: status, priority, deadline, error, timings, and the
-    partial result of a failed job that has one."""
-
-    def ts(name: str) -> float | None:
-        return float(rec[name]) if rec.get(name) else None
-
-    created, started, finished = ts("created"), ts("started"), ts("finished")
-    timings: dict[str, float | None] = {"created": created, "started": started, "finished": finished}
-    if started is not None:
-        timings["queued_s"] = round(started - created, 6)
-    if finished is not None:
-        timings["total_s"] = round(finished - created, 6)
-        if started is not None:
-            timings["run_s"] = round(finished - started, 6)
-    out: dict[str, Any] = {
-        "id": rec["id"],
-        "model": rec["model"],
-        "status": rec["status"],
-        "attempts": int(rec.get("attempts", 0)),
-        "attempts_forgiven": int(rec.get("forgiven") or 0),
-        "priority": int(rec.get("priority") or 0),
-        "deadline": float(rec["deadline"]) if rec.get("deadline") else None,
-        "timings": timings,
-    }
-    if rec.get("worker"):
-        out["worker"] = rec["worker"]
-    if rec.get("error"):
-        out["error"] = json.loads(rec["error"])
-    if rec.get("result"):
-        out["result"] = json.loads(rec["result"])
-    return out

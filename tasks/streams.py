@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import redis
 
 from tasks import keys
+from tasks.records import record_error
 from tasks.schemas import JobStatus
 
 # Longest a reader blocks in one XREAD: below redis-py's socket timeout, and short enough to
@@ -199,8 +200,8 @@ def _end_of(get_record, job_id: str) -> StreamEnd | None:
         return StreamEnd("failed", {"code": "not_found", "message": f"job {job_id} expired"})
     status = rec.get("status")
     if status in (JobStatus.failed.value, JobStatus.cancelled.value, JobStatus.expired.value):
-        error = json.loads(rec["error"]) if rec.get("error") else {"code": status, "message": status}
-        return StreamEnd(status, error)
+        error = record_error(rec)
+        return StreamEnd(status, error.public() if error else {"code": status, "message": status})
     return None
 
 

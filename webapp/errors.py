@@ -12,6 +12,7 @@ from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 
+from tasks.errors import REFUSALS
 from webapp.protocol.errors import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -56,13 +57,11 @@ BROKER_UNAVAILABLE = {
 
 
 # The HTTP status that tells a client how its job ended, by the job's error code: its own
-# request was wrong (400), it cancelled it (409), it ran out of time: its deadline (timeout_s,
+# request was wrong (400: a refusal, tasks/errors.py), it cancelled it (409), it ran out of time: its deadline (timeout_s,
 # deadline) or the worker's GENQ_JOB_TIMEOUT passed while it ran (`timeout`) or waited
 # (`expired`) (504). Any other code is the server's fault (502).
 JOB_ERROR_STATUS = {
-    "prompt_too_long": 400,
-    "invalid_request": 400,
-    "no_chat_template": 400,
+    **dict.fromkeys(REFUSALS, 400),
     "cancelled": 409,
     "timeout": 504,
     "expired": 504,

@@ -7,7 +7,6 @@ records and heartbeats and through Celery only to publish the job message.
 from __future__ import annotations
 
 import logging
-import re
 import select
 import socket
 import threading
@@ -24,9 +23,11 @@ from kombu.exceptions import KombuError
 from tasks import keys
 from tasks.celery_app import PRIORITY_STEPS, job_message
 from tasks.config import Settings, queue_for
-from tasks.jobs import RESULT_RAW, JobStore, QuotaExceeded, decode_record
+from tasks.errors import JobError
+from tasks.jobs import RESULT_RAW, JobStore, QuotaExceeded
 from tasks.kombu_compat import send_sent_events
 from tasks.placement import Placement
+from tasks.records import decode_record, record_error
 from tasks.registry import Registry, WorkerInfo
 from tasks.schemas import ChatOptions, JobSpec, JobStatus, SamplingParams
 from tasks.streams import StreamEnd, TokenEvent, follow
@@ -45,10 +46,6 @@ DISCONNECT_CHECK_S = 1.0
 
 class ClientGone(Exception):
     """The client of a blocking call closed its connection."""
-
-
-# The request fields a worker's invalid_request message may begin with ("field: why").
-JOB_ERROR_FIELD = re.compile(r"(prompt|logit_bias|allowed_token_ids|bad_words|structured_outputs(?:\.\w+)?): ")
 
 
 def client_gone(environ: dict | None) -> Callable[[], bool] | None:
@@ -276,6 +273,13 @@ class JobService:
     def view(self, job_id: str, wait: float = 0.0, exists: bool = False, owner: str | None = None) -> dict[str, Any]:
         """The job as the client sees it. With `owner` (an API key's name) another key's job
         is a 404 too, before any wait: a wait must not tell that the id exists."""
+        return self._look(job_id, wait, exists, owner)[0]
+
+    def _look(
+        self, job_id: str, wait: float = 0.0, exists: bool = False, owner: str | None = None
+    ) -> tuple[dict[str, Any], JobError | None]:
+        """`view`, and the error that ended the job as its worker (or the store) typed it: with
+        the request field it concerns, which the view leaves out."""
         if owner is not None and wait > 0 and not exists:
             self.require_job(job_id, owner)
         # The result (if any) comes with the record, in one round trip.
@@ -286,12 +290,13 @@ class JobService:
             rec = self.store.get(job_id, result_key)
         owned(rec, owner, "job", job_id)
         raw = rec.pop(RESULT_RAW, None)
-        body = decode_record(self.store.expire_if_due(rec))
+        rec = self.store.expire_if_due(rec)
+        body = decode_record(rec)
         if body["status"] == JobStatus.succeeded.value:
             # What AsyncResult(job_id).result gives (None when the result is gone), without
             # its own round trip.
             body["result"] = None if raw is None else self.celery.backend.decode(raw).get("result")
-        return body
+        return body, record_error(rec)
 
     def collect(self, job_ids: list[str], environ: dict | None = None) -> list[dict[str, Any]]:
         """The results of the jobs a blocking call submitted, in order. A client that closes
@@ -319,7 +324,7 @@ class JobService:
         while True:
             left = deadline - time.monotonic()
             step = left if gone is None else min(left, DISCONNECT_CHECK_S)
-            body = self.view(job_id, max(0.001, step), exists=True)
+            body, error = self._look(job_id, max(0.001, step), exists=True)
             status = body["status"]
             if status not in (JobStatus.queued.value, JobStatus.running.value) or step >= left:
                 break
@@ -329,10 +334,9 @@ class JobService:
             return body["result"]
         if status in (JobStatus.queued.value, JobStatus.running.value):
             raise APIError(504, "timeout", f"job {job_id} is still {status}; poll GET /v1/jobs/{job_id}")
-        error = body.get("error") or {"code": status, "message": f"job {status}"}
-        # A worker's check of the request (worker/engines/logits.py: check) names its field first.
-        field = JOB_ERROR_FIELD.match(error["message"]) if error["code"] == "invalid_request" else None
-        raise APIError(job_error_status(error["code"]), error["code"], error["message"], param=field and field[1])
+        # The request's field, where the worker named one (worker/engines/logits.py: check).
+        error = error or JobError(status, f"job {status}")
+        raise APIError(job_error_status(error.code), error.code, error.message, param=error.param)
 
     def events(
         self, job_ids: list[str], after: dict[str, str | int] | None = None, cancel_on_exit: bool = False

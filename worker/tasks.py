@@ -6,6 +6,10 @@ The job record moves to `running` before the engine sees the job, and to its fin
 `task_postrun`, which Celery sends after it has stored the result in the result backend, so a
 client woken by the final status always finds the result there.
 
+A job the worker refuses or fails leaves the task as tasks/errors.py's JobFailed, its typed
+error in plain args (nothing the JSON result backend cannot store); a refusal (JobRefused: the
+client's bad input) is expected (`throws`): one INFO line, no traceback.
+
 A job with a deadline travels with Celery's `expires`: a worker that receives its message too
 late drops it unrun (on any pool) and says so with `task_revoked(expired=True)`, where the
 record becomes `expired`; the task looks once more itself before it starts the job. Running
@@ -25,6 +29,7 @@ from celery.signals import task_postrun, task_revoked
 
 from tasks import keys
 from tasks.celery_app import GENERATE_TASK, TOKENIZE_TASK
+from tasks.errors import JobError, JobFailed, JobRefused
 from tasks.jobs import ACTIVE, Attempt, JobStore
 from tasks.placement import Placement
 from tasks.schemas import GenerationResult, JobSpec, JobStatus
@@ -50,6 +55,9 @@ class WorkerTask(Task):
     process, set up once by `equip` before the worker consumes. Celery makes one instance of
     each task per process, and every task thread shares it."""
 
+    # A job refused for its input: Celery logs it as expected (INFO, no traceback), below the
+    # WARNING its trace logger is set to (worker/__main__.py); `_generate` says so in one line.
+    throws = (JobRefused,)
     engine: Engine
     store: JobStore
     worker_name: str
@@ -87,17 +95,25 @@ class WorkerTask(Task):
 
     def _generate(self, spec: JobSpec, attempt: Attempt) -> GenerationResult:
         """Hand the job to the engine and wait for it; the worker's `CancelWatch` has the
-        engine drop it if it is cancelled or superseded meanwhile."""
-        if self.chat is not None:
-            spec = self.chat.prompt_of(spec)  # a chat job's prompt: its messages rendered
-        future = self.engine.submit(spec)
-        self.watch.watch(spec.id, attempt.number)
+        engine drop it if it is cancelled or superseded meanwhile. A job the engine (or the
+        chat template) cannot serve raises JobFailed, or JobRefused for its bad input."""
         try:
-            return future.result()
+            if self.chat is not None:
+                spec = self.chat.prompt_of(spec)  # a chat job's prompt: its messages rendered
+            future = self.engine.submit(spec)
+            self.watch.watch(spec.id, attempt.number)
+            try:
+                return future.result()
+            finally:
+                self.watch.unwatch(spec.id)
         except JobCancelled:
             raise Ignore() from None
-        finally:
-            self.watch.unwatch(spec.id)
+        except GenerationError as exc:
+            partial = exc.partial and exc.partial.model_copy(update={"worker": self.worker_name}).model_dump()
+            failed = JobFailed.of(exc.error, partial)
+            if isinstance(failed, JobRefused):
+                log.info("job %s attempt %d refused: %s: %s", spec.id, attempt.number, exc.code, exc.message)
+            raise failed from exc
 
     def _place(self, spec: JobSpec) -> None:
         """Note that this worker holds the job's prefixes from now on (tasks/placement.py)."""
@@ -210,11 +226,8 @@ def _finish(task_id, task: WorkerTask, retval, state) -> None:
         if not getattr(task.request, "genq_finished", False):
             task.store.finish(task_id, JobStatus.succeeded, fence=attempt)
     elif state == "FAILURE":
-        partial = None
-        if isinstance(retval, GenerationError):
-            error = {"code": retval.code, "message": retval.message}
-            if retval.partial is not None:
-                partial = retval.partial.model_copy(update={"worker": task.worker_name}).model_dump()
+        if isinstance(retval, JobFailed):
+            error, partial = retval.error, retval.partial
         else:
-            error = {"code": "internal", "message": f"{type(retval).__name__}: {retval}"}
+            error, partial = JobError("internal", f"{type(retval).__name__}: {retval}"), None
         task.store.finish(task_id, JobStatus.failed, error, fence=attempt, result=partial)

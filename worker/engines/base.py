@@ -8,19 +8,36 @@ import time
 from concurrent.futures import Future
 from typing import Protocol
 
+from tasks.errors import JobError
 from tasks.schemas import GenerationResult, JobSpec
 from tasks.streams import TokenEvent
 
 
 class GenerationError(Exception):
-    """A job that cannot be served; `code` reaches the client in the job's error, `partial`
-    (a job that ran out of time: what it had generated) in its result."""
+    """A job that cannot be served; `code` reaches the client in the job's error, with
+    `param`, the request field it concerns (None: none in particular), and `partial` (a job
+    that ran out of time: what it had generated) in its result. The Celery task hands it on as
+    tasks/errors.py's JobFailed."""
 
-    def __init__(self, code: str, message: str, partial: GenerationResult | None = None):
+    def __init__(self, code: str, message: str, partial: GenerationResult | None = None, param: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.partial = partial
+        self.param = param
+
+    @property
+    def error(self) -> JobError:
+        return JobError(self.code, self.message, self.param)
+
+
+class InvalidField(ValueError):
+    """A request field this engine cannot serve; its text is "field: why", as the client
+    reads it (the engine fails the job with invalid_request naming `field`)."""
+
+    def __init__(self, field: str, why: str):
+        super().__init__(f"{field}: {why}")
+        self.field = field
 
 
 class JobCancelled(Exception):

@@ -27,7 +27,7 @@ from tasks.config import Settings
 from tasks.schemas import GenerationResult, JobSpec, Logprobs
 from worker import metrics
 from worker.engines import arch, packed, prefix
-from worker.engines.base import Engine, GenerationError, Sink
+from worker.engines.base import Engine, GenerationError, InvalidField, Sink
 from worker.engines.dtype import resolve as resolve_dtype
 from worker.engines.kvcache import ATTENTION, SlotKV
 from worker.engines.logits import check
@@ -175,14 +175,17 @@ class HFEngine(Engine):
         """The job's prompt as token ids: as it came (token ids), or tokenized (with the model's
         special tokens unless `add_special_tokens` is false or it is a chat prompt, whose
         template has them); its last `truncate_prompt_tokens` only. GenerationError
-        invalid_request for what this model cannot take (worker/engines/logits.py: `check`)."""
+        invalid_request, naming the field, for what this model cannot take
+        (worker/engines/logits.py: `check`)."""
         p, vocab = spec.params, self.runner.vocab
         if spec.prompt_token_ids is not None:
             ids = list(spec.prompt_token_ids)
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise GenerationError(
-                    "invalid_request", f"prompt: token id {bad[0]} is out of the vocabulary (0 to {vocab - 1})"
+                    "invalid_request",
+                    f"prompt: token id {bad[0]} is out of the vocabulary (0 to {vocab - 1})",
+                    param="prompt",
                 )
         else:
             add = p.add_special_tokens if p.add_special_tokens is not None else spec.chat is None
@@ -192,8 +195,9 @@ class HFEngine(Engine):
             ids = ids[-keep:] if keep else ids
         try:
             check(p, self.tok, vocab)
-        except ValueError as exc:
-            raise GenerationError("invalid_request", str(exc)) from None
+        except ValueError as exc:  # InvalidField names the field; a tokenizer's own refusal does not
+            field = exc.field if isinstance(exc, InvalidField) else None
+            raise GenerationError("invalid_request", str(exc), param=field) from None
         return ids
 
     def cancel(self, job_id: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tasks.schemas import SamplingParams
+from worker.engines.base import InvalidField
 
 # The bias OpenAI and vLLM allow (and clamp to).
 BIAS_MAX = 100.0
@@ -29,13 +30,13 @@ def needs_processing(p: SamplingParams) -> bool:
 
 
 def check(p: SamplingParams, tokenizer: Any, vocab: int) -> None:
-    """ValueError, naming the request's field, for what the job asks that this model cannot do:
+    """InvalidField, naming the request's field, for what the job asks that this model cannot do:
     token ids outside its vocabulary, a bad word that is no token, a constraint that does not
     compile (compiled here once, so that admitting the job later finds it compiled)."""
     for name, ids in (("logit_bias", p.logit_bias), ("allowed_token_ids", p.allowed_token_ids or ())):
         bad = [t for t in ids if t >= vocab]
         if bad:
-            raise ValueError(f"{name}: token id {bad[0]} is out of the vocabulary (0 to {vocab - 1})")
+            raise InvalidField(name, f"token id {bad[0]} is out of the vocabulary (0 to {vocab - 1})")
     if p.bad_words:
         bad_word_ids(tokenizer, p.bad_words)
     if p.structured_outputs is not None:
@@ -53,7 +54,7 @@ def bad_word_ids(tokenizer: Any, words: Sequence[str]) -> list[tuple[int, ...]]:
     for word in words:
         plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         if not plain:
-            raise ValueError(f"bad_words: {word!r} is no token")
+            raise InvalidField("bad_words", f"{word!r} is no token")
         out.append(plain)
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
         if spaced and spaced[0] != plain[0]:

@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Any
 
 from tasks.schemas import StructuredOutput
+from worker.engines.base import InvalidField
 
 # The most whitespace characters between two JSON tokens (xgrammar's max_whitespace_cnt).
 WHITESPACE_MAX = 2
@@ -26,8 +27,8 @@ WHITESPACE_MAX = 2
 CACHE_BYTES = 64 << 20
 
 
-class GrammarError(ValueError):
-    """The constraint cannot be compiled (the message says why, naming the request's field)."""
+class GrammarError(InvalidField):
+    """The constraint cannot be compiled (`field`: the request's field, the message: why)."""
 
 
 class Grammars:
@@ -66,7 +67,7 @@ class Grammars:
                     return c.compile_lark(so.grammar)
                 return c.compile_grammar(so.grammar)
             except (RuntimeError, ValueError, TypeError) as exc:
-                raise GrammarError(f"{field_of(so)}: {first_line(exc)}") from None
+                raise GrammarError(field_of(so), first_line(exc)) from None
 
     def matcher(self, so: StructuredOutput, accepted: list[int] = ()):
         """A matcher at the grammar's start, or past `accepted` (a preempted row taken up
