@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from tasks import keys
 from tasks.errors import CANCELLED, EXPIRED, JobError, QuotaExceeded, worker_lost
-from tasks.records import queued_record
+from tasks.records import Attempt, queued_record
 from tasks.schemas import JobSpec, JobStatus
 
 # Moves a job to a new status if its current one is allowed, and keeps what hangs off the
@@ -156,20 +155,6 @@ if redis.call('HGET', KEYS[1], 'attempts') == ARGV[1] then redis.call('HSET', KE
 # A job whose worker was lost beside other jobs this many times (forgiven attempts) runs alone
 # from then on (worker/tasks.py), so that a worker lost while it runs is charged to it alone.
 SOLO_AFTER_FORGIVEN = 2
-
-
-@dataclass
-class Attempt:
-    """What starting a job's attempt found: `run` it (as attempt number `number`), or not,
-    because the job was `prev` (cancelled, final, expired: None) or had used up its attempts
-    (`exhausted`: it is now failed). `solo`: it runs alone on its worker (it was forgiven
-    SOLO_AFTER_FORGIVEN attempts: lost beside other jobs that often)."""
-
-    run: bool
-    prev: JobStatus | None
-    number: int
-    exhausted: bool = False
-    solo: bool = False
 
 
 class JobStore:

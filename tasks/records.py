@@ -4,6 +4,7 @@ the view a client sees of it, and the error that ended it."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from tasks.errors import JobError
@@ -66,3 +67,17 @@ def decode_record(rec: dict[str, str]) -> dict[str, Any]:
     if rec.get("result"):
         out["result"] = json.loads(rec["result"])
     return out
+
+
+@dataclass
+class Attempt:
+    """What starting a job's attempt found: `run` it (as attempt number `number`), or not,
+    because the job was `prev` (cancelled, final, expired: None) or had used up its attempts
+    (`exhausted`: it is now failed). `solo`: it runs alone on its worker (it was forgiven
+    SOLO_AFTER_FORGIVEN attempts: lost beside other jobs that often)."""
+
+    run: bool
+    prev: JobStatus | None
+    number: int
+    exhausted: bool = False
+    solo: bool = False

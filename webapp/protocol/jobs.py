@@ -178,7 +178,7 @@ class JobView(BaseModel):
 
     @classmethod
     def answer(cls, view: dict[str, Any]) -> dict[str, Any]:
-        """A job's view (tasks.jobs.decode_record, with its result) as the body: checked against
+        """A job's view (tasks.records.decode_record, with its result) as the body: checked against
         this model, and with only the fields the view has (none added as null); a result's
         `cached_tokens` always (0 from a worker from before the prefix cache)."""
         body = cls.model_validate(view).model_dump(exclude_unset=True)
