@@ -77,6 +77,8 @@ DEFAULT_SERVICES = ("redis", "model-init", "api", "worker")
 # `up` and `down` on a loaded machine with Docker's vfs storage driver (docker-here's), which
 # copies an image whole for each container and deletes that copy on `down`: minutes.
 SLOW = 1800
+# The override file's `!override` tag (the free host ports) is compose's since 2.24.4.
+MIN_COMPOSE = (2, 24, 4)
 # Tried first for the HTTP server of local wheels: the same URL each run keeps the build
 # arguments, hence BuildKit's cache of the dependency layers, the same.
 WHEELS_PORT = 47385
@@ -309,6 +311,15 @@ class Stack:
             time.sleep(2)
 
 
+def compose_version(text: str) -> tuple[int, ...]:
+    """`2.26.1-4`, `v2.24.4-desktop.1` -> (2, 26, 1)."""
+    parts = []
+    for part in text.strip().lstrip("v").split("-")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
 def tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
@@ -511,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     if version.returncode != 0:
         say(f"`docker compose` (v2) is missing: {version.stderr.strip()}")
         return 2
+    if compose_version(version.stdout) < MIN_COMPOSE:
+        say(f"compose {version.stdout.strip()} is older than {'.'.join(map(str, MIN_COMPOSE))} (`!override`)")
+        return 2
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         say("the Docker engine does not answer (`docker info`)")
         return 2
@@ -523,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GENQ_", "COMPOSE_", "FLOWER_", *PIP_KEYS))}
     env.update(GENQ_API_KEYS=key, GENQ_API_KEY=key, FLOWER_BASIC_AUTH=flower_auth)
 
-    server, stack = None, None
+    server, stack, passed = None, None, False
     times: dict[str, float] = {}
     # `make` stopped (SIGTERM) cleans up as Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -576,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         say("a job queued before `down`")
         times["up -d to healthy (default stack, after down)"] = check_survives_down(stack, api, args.timeout)
         say("PASSED: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()))
+        passed = True
         return 0
     except CheckFailed as e:
         say(f"FAILED: {e}")
@@ -593,6 +608,9 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"  removed in {stack.took:.0f} s")
             except CheckFailed as e:
                 say(f"{e}: run `docker compose -p {PROJECT} down -v` to remove what is left")
+                passed = False
+        if passed:  # the logs of a failed run stay, for reading
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
