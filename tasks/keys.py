@@ -16,6 +16,16 @@ def job(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"
 
 
+def recovering(job_id: str) -> str:
+    """The lock of the one worker recovering a lost job (worker/recovery.py)."""
+    return f"{job(job_id)}:recovering"
+
+
+def republishing(job_id: str) -> str:
+    """Which worker publishes a job's lost message again (worker/recovery.py), for 30 s."""
+    return f"{job(job_id)}:republish"
+
+
 def done(job_id: str) -> str:
     """A one-entry stream written when a job reaches a final status; waiters block on it."""
     return f"{PREFIX}:done:{job_id}"

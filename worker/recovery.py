@@ -200,7 +200,7 @@ class Reaper:
         one cleared it would find the message gone from `unacked` (restored) and could publish
         it again while a consumer holds it between its BRPOP and its `unacked` write: the job
         would run three times."""
-        lock = self.store.r.lock(f"{keys.job(job_id)}:recovering", timeout=30, blocking=False)
+        lock = self.store.r.lock(keys.recovering(job_id), timeout=30, blocking=False)
         if not lock.acquire():
             return False  # another worker is on it; if it dies, the reconciler finds the entry
         try:
@@ -277,7 +277,7 @@ class Reaper:
             log.error("job %s has no message and no spec to publish it again from", job_id)
             return False
         # Every worker on the queue reconciles it: one of them publishes.
-        if not self.store.r.set(f"{keys.job(job_id)}:republish", self.me, nx=True, ex=30):
+        if not self.store.r.set(keys.republishing(job_id), self.me, nx=True, ex=30):
             return False
         listed, unacked = self._held(rec["queue"])
         if job_id in listed or job_id in unacked:
