@@ -339,3 +339,70 @@ def test_required_calls_tools_with_arguments_of_their_schemas(client, tools_stac
     )
     assert (content, without_ids(streamed), finish) == (None, without_ids(calls), "tool_calls")
     assert len({c["id"] for c in streamed}) == len(streamed)
+
+
+def test_a_batch_line_and_the_client_get_the_same_calls(client, tools_stack):
+    from genqueue import Client
+
+    forced = {"structured_outputs": {"choice": [CALL]}}
+    line = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 200, "temperature": 0}
+    lines = [
+        {**line, **forced},
+        {**line, "tool_choice": "required", "parallel_tool_calls": False},
+        {**line, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    ]
+    with Client(tools_stack.base) as c:
+        rows = c.run_batch(lines, model=tools_stack.name, endpoint="/v1/chat/completions", progress=False)
+        direct = c.chat_completion(
+            MESSAGES, model=tools_stack.name, **{k: v for k, v in lines[1].items() if k != "messages"}
+        )
+    auto, required, bad = (r["response"] for r in rows)
+    choice = auto["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {
+        "city": "Paris",
+        "unit": "celsius",
+    }
+    # The forced call of a line is the client's own (greedy), ids aside.
+    (call,) = required["body"]["choices"][0]["message"]["tool_calls"]
+    (same,) = direct["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == same["function"] and call["id"] != same["id"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "tool_choice.function.name"
+
+
+@pytest.fixture(scope="module")
+def real_stack(make_module_stack):
+    """SmolLM2-135M-Instruct (scripts/realmodel.py), with its own chat template, which does not
+    render `tools`: a forced call needs none."""
+    from scripts import realmodel
+
+    s = make_module_stack(GENQ_MODEL=str(realmodel.ensure()), GENQ_MAX_BATCH_SIZE="4")
+    s.start_api()
+    s.start_worker()
+    s.wait_ready(120)
+    return s
+
+
+def test_the_real_model_makes_a_required_call_that_matches_the_schema(real_stack):
+    city = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+    }
+    tools = [{"type": "function", "function": {"name": "get_forecast", "parameters": city}}]
+    with openai.OpenAI(base_url=real_stack.base + "/v1", api_key="unused", max_retries=0) as c:
+        out = c.chat.completions.create(
+            model=real_stack.name,
+            messages=[{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}],
+            tools=tools,
+            tool_choice="required",
+            max_tokens=96,
+            temperature=0,
+        )
+    (choice,) = out.choices
+    assert choice.finish_reason == "tool_calls", choice
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_forecast"
+        jsonschema.validate(json.loads(call.function.arguments), city)
