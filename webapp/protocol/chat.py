@@ -3,8 +3,9 @@ conversation's jobs, `to_jobs()`), its answer and its stream's chunks; and the c
 options it shares with /tokenize (`ChatTemplateFields`).
 
 A conversation is one job per choice; its messages travel with the job (JobSpec.chat) and the
-worker renders them with the model's chat template (worker/chat.py). Unknown fields as for
-completions (webapp/protocol/completions.py), the neutral ones here `NEUTRAL`."""
+worker renders them with the model's chat template (worker/chat.py), with the request's
+`tools`; what `tool_choice` makes of the output is webapp/protocol/tools.py's. Unknown fields
+as for completions (webapp/protocol/completions.py), the neutral ones here `NEUTRAL`."""
 
 from __future__ import annotations
 
