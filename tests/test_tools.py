@@ -59,10 +59,12 @@ def tools_stack(make_module_stack):
     return s
 
 
-@pytest.fixture(scope="module")
-def bare_api(make_module_stack):
-    """An API without a tool-call parser, and no worker: what it refuses before queueing."""
-    s = make_module_stack(GENQ_CHAT_TEMPLATE=str(TEMPLATE))
+@pytest.fixture
+def bare_api(make_stack):
+    """An API without a tool-call parser, and no worker: what it refuses before queueing. For
+    its test only: its batch driver, on the tests' shared Redis, would drive other stacks'
+    batches with its own settings (a deployment's API processes all have the same)."""
+    s = make_stack(GENQ_CHAT_TEMPLATE=str(TEMPLATE))
     s.start_api()
     return s
 
@@ -357,6 +359,7 @@ def test_a_batch_line_and_the_client_get_the_same_calls(client, tools_stack):
             MESSAGES, model=tools_stack.name, **{k: v for k, v in lines[1].items() if k != "messages"}
         )
     auto, required, bad = (r["response"] for r in rows)
+    assert auto["status_code"] == 200 and required["status_code"] == 200, rows
     choice = auto["body"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
