@@ -149,7 +149,9 @@ class Client(BatchAPI):
         """The assistant's reply to a conversation (POST /v1/chat/completions, blocking):
         `messages` as OpenAI's (`[{"role": "user", "content": "..."}]`), or a str (one user
         message). `params`: the request's other fields (`model`, `max_tokens`, `temperature`,
-        ...); None values are left out. `timeout`: seconds for the answer (default: no limit)."""
+        ...); None values are left out. `timeout`: seconds for the answer (default: no limit).
+        With `tools`, a reply of tool calls alone has no content (None): `chat_completion`
+        returns the whole answer, its `message.tool_calls` among it."""
         return self.chat_completion(messages, timeout, **params)["choices"][0]["message"]["content"]
 
     def chat_completion(self, messages: str | list[dict], timeout: float | None = None, **params: Any) -> dict:

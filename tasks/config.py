@@ -53,6 +53,11 @@ class ApiSettings(_Env):
     )
     api_keys: SecretStr | None = Field(None, description="comma list of API keys (see webapp/auth.py)")
     api_keys_file: str | None = Field(None, description="one API key (or sha256:<hex>) per line, with name and limits")
+    tool_call_parser: Literal["hermes", "llama3_json", "llama4_json", "mistral", "pythonic"] | None = Field(
+        None,
+        description="the parser of the served model's tool calls for `tool_choice: \"auto\"` (vLLM's "
+        "--tool-call-parser names, webapp/parsers/); none: `auto` with tools is refused",
+    )
 
 
 class EngineSettings(_Env):

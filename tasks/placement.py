@@ -71,11 +71,15 @@ def _levels(seed, data: bytes, first: int, text: str | None = None) -> list[str]
 
 def _chat(seed, chat: ChatOptions, min_chars: int) -> list[str]:
     seed.update(b"chat\0" + json.dumps(chat.chat_template_kwargs, sort_keys=True).encode())
+    # The tools are part of every prefix (templates write them first, in the system prompt).
+    tools = json.dumps(chat.tools, sort_keys=True) if chat.tools else ""
+    if tools:
+        seed.update(b"tools\0" + tools.encode() + b"\0")
     out: list[str] = []
-    size = 0
+    size = len(tools)
     for message in chat.messages:
         seed.update(json.dumps(message.model_dump(), sort_keys=True).encode() + b"\0")
-        size += len(message.content)
+        size += len(message.content or "") + len(json.dumps(message.tool_calls) if message.tool_calls else "")
         if size >= min_chars:
             out.append(seed.hexdigest())
     return out[::-1][:MAX_DIGESTS]

@@ -258,13 +258,18 @@ PRIORITY_MIN, PRIORITY_MAX = -4, 4
 
 
 class ChatMessage(BaseModel):
-    """One message of a conversation, its content as text (the API joins text parts)."""
+    """One message of a conversation, its content as text (the API joins text parts). An
+    assistant message may carry the calls it made (`tool_calls`, OpenAI's shape: `id`, `type`,
+    `function.name`, `function.arguments` as JSON text; its content then may be None), a `tool`
+    message the result of one (`tool_call_id`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatOptions(BaseModel):
@@ -277,6 +282,9 @@ class ChatOptions(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="the request's tools (OpenAI's shape), the template's `tools` variable"
+    )
 
 
 # What a chat request to a model without a chat template is told (API and worker alike).

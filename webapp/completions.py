@@ -16,7 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flask import Response, current_app, request
@@ -28,6 +28,7 @@ from webapp.errors import APIError, error_body, job_error_status
 from webapp.protocol import chat, common
 from webapp.protocol.completions import choice, completion
 from webapp.protocol.jobs import Jobs
+from webapp.protocol.tools import ToolUse
 from webapp.service import JobService
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class Submitted:
             entry.update(echo=True, prompts=self.jobs.prompts)
         if self.jobs.api == "chat":
             entry.update(api="chat", logprobs=self.jobs.params.logprobs)
+            if self.jobs.tools is not None:
+                entry["tools"] = self.jobs.tools.entry()
         if self.jobs.best_of:
             entry.update(best_of=self.jobs.best_of, n=self.jobs.n, logprobs=self.jobs.params.logprobs)
         return entry
@@ -73,6 +76,7 @@ class Submitted:
             echo=bool(entry.get("echo")),
             api=entry.get("api", "completions"),
             best_of=entry.get("best_of"),
+            tools=ToolUse(**entry["tools"]) if entry.get("tools") else None,
         )
         return cls(jobs, entry["ids"], entry["model"], int(entry["created"]))
 
@@ -99,6 +103,8 @@ class CompletionService:
         s = self.jobs
         every = [p for p in req.texts for _ in range(req.per_prompt)]
         limits.check(req, every, s.settings)
+        if req.tools is not None and req.tools.mode == "auto":
+            req.tools = replace(req.tools, parser=self.tool_call_parser())
         model = s.model_for_engine(req.engine) if req.engine else s.resolve_model(req.model)
         created = int(time.time())
         if not every:
@@ -173,6 +179,21 @@ class CompletionService:
             log.warning("prompt tokens not counted before queueing (%s): %s", exc.code, exc.message)
             return []
 
+    def tool_call_parser(self) -> str:
+        """The parser of `tool_choice: "auto"` (GENQ_TOOL_CALL_PARSER); without one, 400 that
+        says how to enable it, as vLLM's ("requires --tool-call-parser")."""
+        name = self.jobs.settings.tool_call_parser
+        if not name:
+            raise APIError(
+                400,
+                "invalid_request",
+                '"auto" tool choice requires GENQ_TOOL_CALL_PARSER to be set (the served model\'s format: '
+                'hermes, llama3_json, llama4_json, mistral or pythonic); or send tool_choice "none", '
+                '"required" or a named function',
+                param="tool_choice",
+            )
+        return name
+
     def require_chat_template(self, model: str) -> None:
         """400 at once when the model's live workers have no chat template (with no live
         worker, a queued chat job fails with the same error on a worker without one)."""
@@ -213,6 +234,13 @@ class CompletionService:
         """The answer as server-sent events, in the API's chunks, while the jobs run."""
         relay = _ChatRelay(sub) if sub.jobs.api == "chat" else _CompletionRelay(sub)
         return relay.response(self.jobs.events(sub.ids, cancel_on_exit=True))
+
+
+def _set(call: dict[str, Any]) -> dict[str, Any]:
+    """A stream delta's tool call without its unset (null) fields."""
+    out = {k: v for k, v in call.items() if v is not None}
+    out["function"] = {k: v for k, v in call["function"].items() if v is not None}
+    return out
 
 
 def cumulative_logprob(result: dict[str, Any]) -> float:
@@ -312,37 +340,85 @@ class _CompletionRelay(_Relay):
 # -- /v1/chat/completions -------------------------------------------------------------------
 
 
-def chat_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
+def chat_choice(sub: Submitted, k: int, result: dict[str, Any]) -> chat.ChatChoice:
+    """One choice of a chat answer: the job's text as content, or, with tools
+    (`Jobs.tools`), the calls its parser finds in it and the rest as content."""
     top = sub.jobs.params.logprobs
-    choices = [
-        chat.ChatChoice(
-            index=k,
-            message=chat.AssistantMessage(content=r["text"]),
-            finish_reason=common.finish(r["finish_reason"]),
-            logprobs=chat.logprobs_of(r.get("logprobs"), top or 0) if top is not None else None,
-        )
-        for k, r in enumerate(results)
-    ]
+    finish = common.finish(result["finish_reason"])
+    message = chat.AssistantMessage(content=result["text"])
+    use = sub.jobs.tools
+    if use is not None:
+        parsed = use.output_parser().parse(result["text"])
+        calls = [chat.ToolCallOut.model_validate(c.to_openai()) for c in parsed.tool_calls]
+        message = chat.AssistantMessage(content=parsed.content, tool_calls=calls or None)
+        finish = use.finish_reason(finish, parsed.tool_calls)
+    return chat.ChatChoice(
+        index=k,
+        message=message,
+        finish_reason=finish,
+        logprobs=chat.logprobs_of(result.get("logprobs"), top or 0) if top is not None else None,
+    )
+
+
+def chat_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
+    choices = [chat_choice(sub, k, r) for k, r in enumerate(results)]
     body = chat.ChatCompletionResponse(
         id=sub.response_id, created=sub.created, model=sub.model, choices=choices, usage=common.usage_of(results)
-    )
-    return body.model_dump(mode="json")
+    ).model_dump(mode="json")
+    for c in body["choices"]:  # as OpenAI's: no tool_calls key in a reply without calls
+        if c["message"]["tool_calls"] is None:
+            del c["message"]["tool_calls"]
+    return body
 
 
 class _ChatRelay(_Relay):
+    def __init__(self, sub: Submitted):
+        super().__init__(sub)
+        # With tools, each choice's text goes through its own parser stream (the answer's
+        # `chat_choice`, fed delta by delta): content as soon as it cannot be a call, the calls
+        # whole at the end, so that they equal the unstreamed answer's.
+        use = sub.jobs.tools
+        self.parsers = [use.output_parser().stream() for _ in sub.ids] if use is not None else None
+
     def _event(self, choices: list[chat.ChatStreamChoice], usage: common.Usage | None = None) -> str:
         sub = self.sub
         chunk = chat.ChatCompletionChunk(
             id=sub.response_id, created=sub.created, model=sub.model, choices=choices, usage=usage
-        )
-        return sse.event(chunk.model_dump(mode="json", exclude=None if usage else {"usage"}))
+        ).model_dump(mode="json", exclude=None if usage else {"usage"})
+        for c in chunk["choices"]:  # a delta's tool_calls as OpenAI streams them: only what is set
+            calls = c["delta"].pop("tool_calls")
+            if calls is not None:
+                c["delta"]["tool_calls"] = [_set(call) for call in calls]
+        return sse.event(chunk)
 
     def chunk(self, i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> str:
         top = self.sub.jobs.params.logprobs
         lp = chat.logprobs_of(logprobs, top) if top is not None and logprobs else None
+        if self.parsers is not None:
+            return self._parsed(i, text, finish, lp)
         delta = chat.Delta(content=text) if text or not finish else chat.Delta()
         choice = chat.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=common.finish(finish))
         return self._event([choice])
+
+    def _parsed(self, i: int, text: str, finish: str | None, lp: chat.ChatLogprobs | None) -> str:
+        """A choice's text through its parser: a chunk per event (the text's logprobs on the
+        first, or on a chunk of their own while the parser holds the text back), and at the
+        end a chunk with the finish reason."""
+        stream = self.parsers[i]
+        events = stream.feed(text) if text else []
+        if finish:
+            events += stream.finish()
+        out = []
+        for ev in events:
+            delta = chat.Delta.model_validate(ev.delta())
+            out.append(self._event([chat.ChatStreamChoice(index=i, delta=delta, logprobs=lp)]))
+            lp = None
+        if lp is not None:
+            out.append(self._event([chat.ChatStreamChoice(index=i, delta=chat.Delta(), logprobs=lp)]))
+        if finish:
+            reason = self.sub.jobs.tools.finish_reason(common.finish(finish), stream.tool_calls)
+            out.append(self._event([chat.ChatStreamChoice(index=i, delta=chat.Delta(), finish_reason=reason)]))
+        return "".join(out)
 
     def usage_chunk(self) -> str:
         return self._event([], common.usage(*self.counts))

@@ -64,8 +64,11 @@ def chat_upper_bound(chat: ChatOptions, ctx: Context, add_special_tokens: bool =
     own (`ctx.chat`) plus each message's content and name by the text bound, and the special
     tokens a request that asks for them adds. None where only a worker can tell: no bound on
     the template or the text, or `chat_template_kwargs`, which the template may read for
-    anything (a system prompt, a switch that adds one)."""
-    if ctx.chat is None or ctx.bound.per_byte is None or chat.chat_template_kwargs:
+    anything (a system prompt, a switch that adds one), and tools, tool calls and tool results,
+    which each template renders its own way (worker/chatbound.py measures none)."""
+    if ctx.chat is None or ctx.bound.per_byte is None or chat.chat_template_kwargs or chat.tools:
+        return None
+    if any(m.role == "tool" or m.tool_calls or m.content is None for m in chat.messages):
         return None
     total = ctx.chat.base + (ctx.bound.extra if add_special_tokens else 0)
     for m in chat.messages:

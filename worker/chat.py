@@ -4,7 +4,8 @@ A chat job travels as its messages (JobSpec.chat); here they become the job's pr
 transformers' own `apply_chat_template(..., tokenize=False)`, the renderer the template was
 written for, before the engine sees the job. The rendered text already holds the template's
 special tokens (BOS and the like), so the engines tokenize a chat prompt without adding them
-again (`add_special_tokens=False`, as vLLM does). `GENQ_CHAT_TEMPLATE` (a Jinja file) is the
+again (`add_special_tokens=False`, as vLLM does). The request's tools are the template's `tools`
+variable, as transformers and vLLM pass them. `GENQ_CHAT_TEMPLATE` (a Jinja file) is the
 template of a model that has none, and replaces the model's own where both exist (as vLLM's
 `--chat-template`). The API's `/tokenize` and `/detokenize` are answered here too (the
 `genq.tokenize` task, worker/tasks.py), and its count of a prompt's tokens at submit (`count`).
@@ -12,11 +13,27 @@ template of a model that has none, and replaces the model's own where both exist
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from tasks.schemas import NO_CHAT_TEMPLATE, ChatOptions, JobSpec
+from tasks.schemas import NO_CHAT_TEMPLATE, ChatMessage, ChatOptions, JobSpec
 from worker.engines.base import GenerationError
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as templates read it, as vLLM passes it: its set fields, a null content as ""
+    (an assistant message of tool calls alone; templates join contents as strings), and each
+    tool call's `arguments` as the object they hold rather than its JSON text (templates write
+    `tool_call.arguments | tojson`); the API checked they are a JSON object's text."""
+    out = message.model_dump(exclude_none=True)
+    out.setdefault("content", "")
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])}}
+            for call in message.tool_calls
+        ]
+    return out
 
 
 class Chat:
@@ -41,8 +58,9 @@ class Chat:
             raise GenerationError("no_chat_template", NO_CHAT_TEMPLATE)
         try:
             return self.tok.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in chat.messages],
+                [template_message(m) for m in chat.messages],
                 chat_template=self.template,
+                tools=chat.tools or None,
                 tokenize=False,
                 add_generation_prompt=chat.add_generation_prompt,
                 continue_final_message=chat.continue_final_message,

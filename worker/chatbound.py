@@ -27,8 +27,10 @@ from worker.engines.base import GenerationError
 
 log = logging.getLogger(__name__)
 
-# The roles a conversation's messages may have (the job contract's).
-ROLES: tuple[str, ...] = typing.get_args(ChatMessage.model_fields["role"].annotation)
+# The roles of the conversations measured: the job contract's but `tool`, whose messages (like
+# a call's `tool_calls` and the request's `tools`) templates render in ways of their own; a
+# conversation with any of them gets no bound and is counted (webapp/context.py).
+ROLES: tuple[str, ...] = tuple(r for r in typing.get_args(ChatMessage.model_fields["role"].annotation) if r != "tool")
 # Contents of the measured messages (each one's own tokens are taken off) and their names.
 CONTENTS = ("x", "Hello, world.", " two  spaces \n", "\n", "12")
 NAMES = ("alice", "x y")

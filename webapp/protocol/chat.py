@@ -3,11 +3,13 @@ conversation's jobs, `to_jobs()`), its answer and its stream's chunks; and the c
 options it shares with /tokenize (`ChatTemplateFields`).
 
 A conversation is one job per choice; its messages travel with the job (JobSpec.chat) and the
-worker renders them with the model's chat template (worker/chat.py). Unknown fields as for
-completions (webapp/protocol/completions.py), the neutral ones here `NEUTRAL`."""
+worker renders them with the model's chat template (worker/chat.py), with the request's
+`tools`; what `tool_choice` makes of the output is webapp/protocol/tools.py's. Unknown fields
+as for completions (webapp/protocol/completions.py), the neutral ones here `NEUTRAL`."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -17,11 +19,20 @@ from webapp.errors import APIError
 from webapp.protocol.common import N_MAX, StreamOptions, Usage, invalid
 from webapp.protocol.jobs import Jobs
 from webapp.protocol.sampling import DEFAULTS, SamplingRequest, Seed, Stop, Temperature, TopP
+from webapp.protocol.tools import (
+    NamedToolChoice,
+    Tool,
+    ToolCallIn,
+    ToolCallOut,
+    ToolChoice,
+    ToolUse,
+    check_schema,
+    parameters_of,
+    required_schema,
+)
 
 # Parameters accepted only at a value that changes nothing, with those values.
 NEUTRAL: dict[str, tuple] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "audio": (None,),
@@ -68,18 +79,42 @@ class TextPart(BaseModel):
 
 
 class ChatMessageIn(BaseModel):
-    """A message of the conversation: `content` is a string or a list of text parts."""
+    """A message of the conversation: `content` is a string or a list of text parts. An
+    assistant message may carry the calls it made (`tool_calls`; then `content` may be null or
+    left out), a `tool` message is a call's result (`tool_call_id` names the call)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
-    def to_message(self) -> ChatMessage:
+    def to_message(self, i: int) -> ChatMessage:
+        """The job's message (`i`: its place, which the errors name)."""
+        field = f"messages.{i}"
+        if self.tool_calls and self.role != "assistant":
+            raise invalid(f"{field}.tool_calls", "only an assistant message carries tool calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise invalid(f"{field}.tool_call_id", "a tool message needs the id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise invalid(f"{field}.tool_call_id", "only a tool message answers a call")
+        if self.content is None and not self.tool_calls:
+            raise invalid(f"{field}.content", "needed (only an assistant message with tool_calls may leave it out)")
+        for j, call in enumerate(self.tool_calls or []):
+            try:
+                ok = isinstance(json.loads(call.function.arguments), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise invalid(f"{field}.tool_calls.{j}.function.arguments", "a JSON object's text")
         # Text parts are joined by newlines, as vLLM joins them for a string-content template.
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return ChatMessage(role=self.role, content=text, name=self.name)
+        text = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
+        calls = [c.model_dump(mode="json") for c in self.tool_calls] if self.tool_calls else None
+        return ChatMessage(
+            role=self.role, content=text, name=self.name, tool_calls=calls, tool_call_id=self.tool_call_id
+        )
 
 
 class ChatTemplateFields(BaseModel):
@@ -89,6 +124,7 @@ class ChatTemplateFields(BaseModel):
     add_generation_prompt: bool = Field(True, description="end the prompt where the assistant's reply begins")
     continue_final_message: bool = Field(False, description="the reply continues the last (assistant) message")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the template")
+    tools: list[Tool] | None = Field(None, description="functions the model may call (the template's `tools`)")
 
     def chat_options(self) -> ChatOptions:
         if self.add_generation_prompt and self.continue_final_message:
@@ -102,11 +138,19 @@ class ChatTemplateFields(BaseModel):
         clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if clash:
             raise invalid("chat_template_kwargs", f"{clash[0]!r} cannot be set there")
+        names: set[str] = set()
+        for i, tool in enumerate(self.tools or []):
+            if tool.function.parameters is not None:
+                check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
+            if tool.function.name in names:
+                raise invalid(f"tools.{i}.function.name", f"{tool.function.name!r} names two tools")
+            names.add(tool.function.name)
         return ChatOptions(
-            messages=[m.to_message() for m in self.messages],
+            messages=[m.to_message(i) for i, m in enumerate(self.messages)],
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             chat_template_kwargs=kwargs,
+            tools=[t.model_dump(mode="json", exclude_none=True) for t in self.tools] if self.tools else None,
         )
 
 
@@ -132,9 +176,11 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="with logprobs")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    tool_choice: ToolChoice | None = Field(
+        None, description='"none", "auto" (the default with tools), "required" or {"type": "function", ...}'
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (`required`)")
     # Accepted at their neutral values only (NEUTRAL); anything else is refused.
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -151,7 +197,6 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
     logits_processors: Any = None
     mm_processor_kwargs: Any = None
     vllm_xargs: Any = None
-    parallel_tool_calls: bool | None = None
 
     @field_validator("add_generation_prompt", "continue_final_message", mode="before")
     @classmethod
@@ -167,9 +212,66 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
             raise invalid("top_logprobs", "needs logprobs: true")
         most = self.max_completion_tokens or self.max_tokens
         self.check_min_tokens(most)
+        chat = self.chat_options()
         params = self.to_params(most, (self.top_logprobs or 0) if self.logprobs else None)
         self.check_best_of()
-        return self.jobs([""], params, api="chat", chat=self.chat_options())
+        return self.jobs([""], params, api="chat", chat=chat, tools=self.tool_use())
+
+    def tool_use(self) -> ToolUse | None:
+        """What `tool_choice` makes of the output (None: content as it is); 400 naming the
+        field for a choice the tools cannot meet."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice in (None, "none", "auto"):
+                return None
+            raise invalid("tool_choice", "needs tools")
+        if choice is None or choice == "auto":
+            return ToolUse("auto")
+        if choice == "none":
+            return None
+        if choice == "required":
+            return ToolUse("required")
+        assert isinstance(choice, NamedToolChoice)
+        if choice.function.name not in {t.function.name for t in self.tools}:
+            raise invalid("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools' names")
+        return ToolUse("named", choice.function.name)
+
+    def forced_schema(self) -> dict[str, Any] | None:
+        """The JSON schema that forces the output of `required` or a named function."""
+        use = self.tool_use()
+        if use is None or use.mode == "auto":
+            return None
+        if use.mode == "required":
+            return required_schema(self.tools or [], self.parallel_tool_calls is not False)
+        (tool,) = [t for t in self.tools or [] if t.function.name == use.name]
+        return parameters_of(tool)
+
+    def structured(self) -> dict | None:
+        """The request's own constraint, or the one that forces a call (`forced_schema`);
+        both at once: 400 naming the request's."""
+        own = super().structured()
+        schema = self.forced_schema()
+        if schema is None:
+            return own
+        if own is not None:
+            raise invalid(self.constraint_field(), f"cannot be combined with tool_choice {self.tool_choice_name}")
+        # Without whitespace between JSON tokens: a small model that loops on blank space would
+        # otherwise reach max_tokens inside the call (and the call's arguments are no shorter).
+        return {"json_schema": json.dumps(schema, sort_keys=True), "disable_any_whitespace": True}
+
+    @property
+    def tool_choice_name(self) -> str:
+        c = self.tool_choice
+        return f"{{function: {c.function.name}}}" if isinstance(c, NamedToolChoice) else repr(c)
+
+    def constraint_field(self) -> str:
+        """The field that carries the request's own structured output."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        guided = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        return next((g for g in guided if getattr(self, g) is not None), "structured_outputs")
 
 
 # -- its answer -----------------------------------------------------------------------------
@@ -191,14 +293,15 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="null when the reply is tool calls alone")
+    tool_calls: list[ToolCallOut] | None = Field(None, description="the calls the reply makes (left out if none)")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = Field(None, description="with the request's `logprobs`")
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletionResponse(BaseModel):
@@ -212,16 +315,33 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(
+        None, description="a call's start (index, id, type, name), then its arguments (left out if none)"
+    )
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: Delta = Field(description="the choice's new text (its first chunk: the role)")
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = Field(None, description="null until the choice has ended")
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = Field(
+        None, description="null until the choice has ended"
+    )
 
 
 class ChatCompletionChunk(BaseModel):

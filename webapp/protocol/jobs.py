@@ -6,6 +6,7 @@ job is to the workers (JobSpec, SamplingParams, GenerationResult) is tasks/schem
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -13,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tasks.schemas import PRIORITY_MAX, PRIORITY_MIN, ChatOptions, GenerationResult, JobStatus, SamplingParams
+from webapp.protocol.tools import ToolUse
 
 # The longest `timeout_s`, and the latest `deadline` (unix time), a job may ask for: beyond them
 # a time no longer fits a date (they are refused, not clamped).
@@ -76,6 +78,7 @@ class Jobs:
     echo: bool = False
     include_usage: bool = False
     chat: ChatOptions | None = None  # a conversation (the worker renders its prompt)
+    tools: ToolUse | None = None  # what the answer makes of a chat's output (tool calls)
     best_of: int | None = None
     # The request's own name of `params.max_new_tokens` (OpenAI's `max_tokens`), which the errors
     # about it name as their field; None: the body's fields are SamplingParams', and say so.
@@ -92,7 +95,9 @@ class Jobs:
         worker checks their length), or the messages."""
         if self.chat is None:
             return [p if isinstance(p, str) else "" for p in self.prompts]
-        return ["\n".join(m.content for m in self.chat.messages)]
+        texts = [m.content or "" for m in self.chat.messages]
+        texts += [json.dumps(m.tool_calls) for m in self.chat.messages if m.tool_calls]
+        return ["\n".join(texts + ([json.dumps(self.chat.tools)] if self.chat.tools else []))]
 
     @property
     def max_tokens_name(self) -> str:
