@@ -12,10 +12,11 @@ import pytest
 
 from tasks.schemas import GenerationResult, SamplingParams
 from tasks.streams import TokenEvent
-from webapp.completions import CompletionService, Submitted, _ChatRelay, _CompletionRelay
+from webapp.completions import CompletionService, Submitted
 from webapp.protocol import common as protocol
 from webapp.protocol.batches import Batch
 from webapp.protocol.jobs import Jobs, JobView
+from webapp.relays import ChatRelay, CompletionRelay
 
 
 def result(prompt: int, completion: int, cached: int | None = None, logprob: float = -1.0) -> dict:
@@ -104,7 +105,7 @@ def test_best_of_counts_cached_tokens_as_prompt_tokens_once_per_prompt():
     }
 
 
-@pytest.mark.parametrize("relay", [_CompletionRelay, _ChatRelay])
+@pytest.mark.parametrize("relay", [CompletionRelay, ChatRelay])
 def test_the_streams_usage_chunk_sums_the_finish_events(relay):
     sub = submitted(3)
     r = relay(sub)
