@@ -33,6 +33,7 @@ from worker.engines.kvcache import ATTENTION, SlotKV
 from worker.engines.logits import check
 from worker.engines.output import OutputProcessor
 from worker.engines.prefix import PrefixCache
+from worker.engines.rows import Rows
 from worker.engines.runner import ModelRunner
 from worker.engines.scheduler import Admission, Scheduler, Seq
 
@@ -207,6 +208,16 @@ class HFEngine(Engine):
         self._closed.set()
         self.scheduler.wake()
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            # A closed engine holds no memory: its model, the batch's KV cache and the prefix
+            # cache's pool go now, not when a garbage collection finds the engine (a process
+            # that makes engines in turn, as the tests do, held every one's pool, and a fork
+            # then failed for want of memory to commit).
+            self.scheduler.rows = Rows()
+            self.lm = self.prefix = None
+            runner = getattr(self, "runner", None)
+            if runner is not None:
+                runner.lm = runner.kv = runner.scratch = runner.prefix = runner.next = runner.procs = None
 
     # -- the engine's thread ---------------------------------------------------------------
 
