@@ -58,6 +58,11 @@ class ApiSettings(_Env):
         description="the parser of the served model's tool calls for `tool_choice: \"auto\"` (vLLM's "
         "--tool-call-parser names, webapp/parsers/); none: `auto` with tools is refused",
     )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None,
+        description="the parser of the served model's reasoning (vLLM's --reasoning-parser names): a chat "
+        "answer's think span goes to `reasoning`, not `content`; none: the output is content as it is",
+    )
 
 
 class EngineSettings(_Env):

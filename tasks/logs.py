@@ -89,6 +89,46 @@ def libraries_as_json(level: str = "INFO", transformers: bool = True) -> None:
     hf_logging.enable_propagation()
 
 
+def native_stderr_as_json(logger: str = "native") -> None:
+    """Lines that native code writes straight to file descriptor 2 (xgrammar's and torch's C++
+    warnings, which no Python handler sees) as log records too: fd 2 becomes a pipe that a
+    thread reads line by line, and this process's handlers write to the stderr it had. A line
+    that already is a JSON object (a child process's own record, which inherits the pipe)
+    passes as it is. Call after `configure("json")`."""
+    import os
+    import sys
+    import threading
+
+    read, write = os.pipe()
+    saved = os.dup(2)
+    out = os.fdopen(saved, "w", buffering=1, encoding="utf-8", errors="replace")
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.__stderr__):
+            handler.setStream(out)
+    sys.stderr = out
+    os.dup2(write, 2)
+    os.close(write)
+    log = logging.getLogger(logger)
+
+    def pump() -> None:
+        with os.fdopen(read, "rb") as pipe:
+            for raw in pipe:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                if not line.strip():
+                    continue
+                if line.startswith("{"):
+                    try:
+                        json.loads(line)
+                    except ValueError:
+                        pass
+                    else:
+                        out.write(line + "\n")
+                        continue
+                log.warning("%s", line)
+
+    threading.Thread(target=pump, name="genq-native-stderr", daemon=True).start()
+
+
 def _text(value) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"

@@ -53,6 +53,12 @@ class StructuredOutput(BaseModel):
     choice: list[str] | None = Field(None, min_length=1, max_length=256)
     grammar: str | None = None
     disable_any_whitespace: bool = Field(False, description="JSON without whitespace between its tokens")
+    after: str | None = Field(
+        None,
+        description="the constraint holds from where the output first holds this text on (the end of "
+        "a reasoning span: set by the API with GENQ_REASONING_PARSER, as vLLM applies structured output "
+        "to what follows the reasoning); before it, any text",
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutput:

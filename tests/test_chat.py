@@ -143,6 +143,11 @@ def test_tokenize_and_detokenize_round_trip(chat_stack, chat_reference):
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["tokens"] == chat_reference.ids(MESSAGES) and body["count"] == len(body["tokens"])
+    # A developer message is rendered as the system message it stands for (OpenAI's newer name).
+    system = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    developer = [{"role": "developer", "content": "Be brief."}, *MESSAGES]
+    resp = chat_stack.post("/tokenize", json={"model": chat_stack.name, "messages": developer})
+    assert resp.status_code == 200 and resp.json()["tokens"] == chat_reference.ids(system)
     text = "Hello, my name is"
     resp = chat_stack.post("/tokenize", json={"prompt": text, "return_token_strs": True})
     assert resp.status_code == 200, resp.text

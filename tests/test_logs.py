@@ -65,3 +65,26 @@ def test_make_run_with_json_logs_writes_only_json_lines(tiny_model, redis_url, t
     assert any(name.startswith("gunicorn") for name in loggers), loggers
     assert any(name.startswith("celery") for name in loggers), loggers
     assert any(r.get("event") == "job.finished" for r in records)
+
+
+def test_native_stderr_lines_become_json_records():
+    """What C++ code writes to file descriptor 2 (xgrammar's warnings) is a record too, in a
+    process with JSON logs; a child's own JSON line passes as it is."""
+    code = (
+        "import os, logging, subprocess, sys\n"
+        "from tasks import logs\n"
+        "logs.configure('json')\n"
+        "logs.native_stderr_as_json()\n"
+        "os.write(2, b'[12:00:00] xgrammar: a native warning\\n')\n"
+        "subprocess.run([sys.executable, '-c', 'import sys; sys.stderr.write(\\'{\"msg\": \"child\"}\\\\n\\')'])\n"
+        "logging.getLogger('x').info('python line')\n"
+        "import threading; os.close(2)\n"  # the pipe's end: the reader writes what it holds, then stops
+        "[t.join(30) for t in threading.enumerate() if t.name == 'genq-native-stderr']\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=stackmod.ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
+    records = [json.loads(line) for line in proc.stderr.splitlines()]
+    native = [r for r in records if r.get("logger") == "native"]
+    assert [r["msg"] for r in native] == ["[12:00:00] xgrammar: a native warning"] and native[0]["level"] == "WARNING"
+    assert {"msg": "child"} in records and any(r.get("msg") == "python line" for r in records)

@@ -8,6 +8,7 @@ import uuid
 
 import openai
 import pytest
+import requests
 from helpers import stream, submit
 
 from webapp.protocol.common import N_MAX
@@ -59,6 +60,12 @@ def test_models_lists_what_live_workers_serve(client, hf_stack):
     models = client.models.list()
     ids = [m.id for m in models.data]
     assert hf_stack.name in ids
+    one = client.models.retrieve(hf_stack.name)  # GET /v1/models/{id}
+    assert one.id == hf_stack.name and one.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such/model")
+    assert info.value.code == "model_not_found"
+    assert requests.get(hf_stack.base + "/health", timeout=10).status_code == 200  # vLLM's probe path
 
 
 def test_errors_in_openai_format(client, hf_stack):

@@ -101,7 +101,7 @@ def test_with_keys_the_document_is_open_and_names_the_bearer_key(idle_stack):
     }
     for path, method in operations(spec):
         op = spec["paths"][path][method]
-        if path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
+        if path in ("/healthz", "/health", "/readyz", "/metrics", "/openapi.json"):
             assert op["security"] == [] and "401" not in op["responses"], path
         else:
             assert op["security"] == [{"apiKey": []}] and "401" in op["responses"], path

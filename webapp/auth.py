@@ -32,7 +32,7 @@ from webapp.errors import error_response
 
 # No key needed: health, metrics, and the OpenAPI document (the same for every caller, and
 # what a client generator fetches first).
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/healthz", "/health", "/readyz", "/metrics", "/openapi.json"})
 NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 DIGEST = re.compile(r"sha256:([0-9a-fA-F]{64})")
 LIMITS = ("max_queued", "max_new_tokens")

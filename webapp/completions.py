@@ -24,9 +24,11 @@ from tasks.schemas import NO_CHAT_TEMPLATE, SamplingParams
 from webapp import context, limits, metrics, tokens
 from webapp.auth import ApiKey
 from webapp.errors import APIError
+from webapp.parsers import REASONING_FIELD
 from webapp.protocol import chat, common
 from webapp.protocol.completions import choice, completion
 from webapp.protocol.jobs import Jobs
+from webapp.protocol.output import ReasoningUse, finish_reason
 from webapp.protocol.tools import ToolUse
 from webapp.relays import ChatRelay, CompletionRelay
 from webapp.service import JobService
@@ -63,6 +65,8 @@ class Submitted:
             entry.update(api="chat", logprobs=self.jobs.params.logprobs)
             if self.jobs.tools is not None:
                 entry["tools"] = self.jobs.tools.entry()
+            if self.jobs.reasoning is not None:
+                entry["reasoning"] = self.jobs.reasoning.entry()
         if self.jobs.best_of:
             entry.update(best_of=self.jobs.best_of, n=self.jobs.n, logprobs=self.jobs.params.logprobs)
         return entry
@@ -77,6 +81,7 @@ class Submitted:
             api=entry.get("api", "completions"),
             best_of=entry.get("best_of"),
             tools=ToolUse(**entry["tools"]) if entry.get("tools") else None,
+            reasoning=ReasoningUse(**entry["reasoning"]) if entry.get("reasoning") else None,
         )
         return cls(jobs, entry["ids"], entry["model"], int(entry["created"]))
 
@@ -105,6 +110,9 @@ class CompletionService:
         limits.check(req, every, s.settings)
         if req.tools is not None and req.tools.mode == "auto":
             req.tools = replace(req.tools, parser=self.tool_call_parser())
+        if req.reasoning is not None:
+            parser = s.settings.reasoning_parser
+            req.reasoning = replace(req.reasoning, parser=parser) if parser else None
         model = s.model_for_engine(req.engine) if req.engine else s.resolve_model(req.model)
         created = int(time.time())
         if not every:
@@ -116,6 +124,9 @@ class CompletionService:
         params = limits.for_key(req, every, owner, s.settings)
         if req.best_of and params.logprobs is None:  # `best` ranks them by their tokens' logprobs
             params = params.model_copy(update={"logprobs": 0})
+        so, end = params.structured_outputs, req.reasoning.end() if req.reasoning else None
+        if so is not None and end and so.after is None:  # constrained after the reasoning, as vLLM
+            params = params.model_copy(update={"structured_outputs": so.model_copy(update={"after": end})})
         self.check_context(req, params, model)
         ids = s.enqueue(
             req.prompts,
@@ -276,17 +287,18 @@ def completion_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, 
 
 
 def chat_choice(sub: Submitted, k: int, result: dict[str, Any]) -> chat.ChatChoice:
-    """One choice of a chat answer: the job's text as content, or, with tools
-    (`Jobs.tools`), the calls its parser finds in it and the rest as content."""
+    """One choice of a chat answer: the job's text as content, or, with a reasoning parser or
+    tools (`Jobs.output_parser`), its think span as reasoning, the calls its tool parser finds
+    in what follows, and the rest as content."""
     top = sub.jobs.params.logprobs
     finish = common.finish(result["finish_reason"])
     message = chat.AssistantMessage(content=result["text"])
-    use = sub.jobs.tools
-    if use is not None:
-        parsed = use.output_parser().parse(result["text"])
+    parser = sub.jobs.output_parser()
+    if parser is not None:
+        parsed = parser.parse(result["text"])
         calls = [chat.ToolCallOut.model_validate(c.to_openai()) for c in parsed.tool_calls]
-        message = chat.AssistantMessage(content=parsed.content, tool_calls=calls or None)
-        finish = use.finish_reason(finish, parsed.tool_calls)
+        message = chat.AssistantMessage(content=parsed.content, reasoning=parsed.reasoning, tool_calls=calls or None)
+        finish = finish_reason(sub.jobs.tools, finish, parsed.tool_calls)
     return chat.ChatChoice(
         index=k,
         message=message,
@@ -303,4 +315,6 @@ def chat_body(sub: Submitted, results: list[dict[str, Any]]) -> dict[str, Any]:
     for c in body["choices"]:  # as OpenAI's: no tool_calls key in a reply without calls
         if c["message"]["tool_calls"] is None:
             del c["message"]["tool_calls"]
+        if sub.jobs.reasoning is None:  # the reasoning key only where a parser looks for it
+            del c["message"][REASONING_FIELD]
     return body

@@ -13,8 +13,10 @@ from flask import Response
 
 from webapp import sse
 from webapp.errors import error_body, job_error_status
+from webapp.parsers import REASONING_FIELD
 from webapp.protocol import chat, common
 from webapp.protocol.completions import choice, completion
+from webapp.protocol.output import finish_reason
 
 
 def _set(call: dict[str, Any]) -> dict[str, Any]:
@@ -85,11 +87,11 @@ class CompletionRelay(Relay):
 class ChatRelay(Relay):
     def __init__(self, sub: Any):
         super().__init__(sub)
-        # With tools, each choice's text goes through its own parser stream (the answer's
-        # `chat_choice`, fed delta by delta): content as soon as it cannot be a call, the calls
-        # whole at the end, so that they equal the unstreamed answer's.
-        use = sub.jobs.tools
-        self.parsers = [use.output_parser().stream() for _ in sub.ids] if use is not None else None
+        # With tools or a reasoning parser, each choice's text goes through its own parser stream
+        # (the answer's `chat_choice`, fed delta by delta): reasoning and content as soon as
+        # they are known, the calls whole at the end, so that they equal the unstreamed answer's.
+        parser = sub.jobs.output_parser()
+        self.parsers = [parser.stream() for _ in sub.ids] if parser is not None else None
 
     def _event(self, choices: list[chat.ChatStreamChoice], usage: common.Usage | None = None) -> str:
         sub = self.sub
@@ -100,6 +102,8 @@ class ChatRelay(Relay):
             calls = c["delta"].pop("tool_calls")
             if calls is not None:
                 c["delta"]["tool_calls"] = [_set(call) for call in calls]
+            if c["delta"][REASONING_FIELD] is None:
+                del c["delta"][REASONING_FIELD]
         return sse.event(chunk)
 
     def chunk(self, i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> str:
@@ -127,7 +131,7 @@ class ChatRelay(Relay):
         if lp is not None:
             out.append(self._event([chat.ChatStreamChoice(index=i, delta=chat.Delta(), logprobs=lp)]))
         if finish:
-            reason = self.sub.jobs.tools.finish_reason(common.finish(finish), stream.tool_calls)
+            reason = finish_reason(self.sub.jobs.tools, common.finish(finish), stream.tool_calls)
             out.append(self._event([chat.ChatStreamChoice(index=i, delta=chat.Delta(), finish_reason=reason)]))
         return "".join(out)
 

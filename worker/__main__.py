@@ -123,6 +123,7 @@ def main() -> None:
     logs.configure(settings.log_format, os.environ.get("GENQ_LOG_LEVEL", "INFO"))
     if settings.log_format == "json":
         logs.libraries_as_json(os.environ.get("GENQ_LOG_LEVEL", "INFO"), transformers=settings.engine in ("hf", "vllm"))
+        logs.native_stderr_as_json()
     host = socket.gethostname()
     name = f"genq-{settings.engine}-{os.getpid()}@{host}"
     queue = queue_for(settings.served_model)

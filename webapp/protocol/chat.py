@@ -18,6 +18,7 @@ from tasks.schemas import LOGPROBS_MAX, ChatMessage, ChatOptions
 from webapp.errors import APIError
 from webapp.protocol.common import N_MAX, StreamOptions, Usage, invalid
 from webapp.protocol.jobs import Jobs
+from webapp.protocol.output import ReasoningUse
 from webapp.protocol.sampling import DEFAULTS, SamplingRequest, Seed, Stop, Temperature, TopP
 from webapp.protocol.tools import (
     NamedToolChoice,
@@ -38,7 +39,6 @@ NEUTRAL: dict[str, tuple] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "web_search_options": (None,),
     "chat_template": (None,),
     "documents": (None, []),
@@ -85,7 +85,9 @@ class ChatMessageIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="`developer`: OpenAI's name for `system` on newer models, rendered as `system`"
+    )
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
@@ -113,7 +115,11 @@ class ChatMessageIn(BaseModel):
         text = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
         calls = [c.model_dump(mode="json") for c in self.tool_calls] if self.tool_calls else None
         return ChatMessage(
-            role=self.role, content=text, name=self.name, tool_calls=calls, tool_call_id=self.tool_call_id
+            role="system" if self.role == "developer" else self.role,
+            content=text,
+            name=self.name,
+            tool_calls=calls,
+            tool_call_id=self.tool_call_id,
         )
 
 
@@ -186,7 +192,11 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(
+        None,
+        description="reaches the chat template as its `reasoning_effort` variable, and as "
+        '`enable_thinking` (false for "none") unless chat_template_kwargs sets that (vLLM\'s reading)',
+    )
     web_search_options: Any = None
     chat_template: Any = None
     documents: Any = None
@@ -213,9 +223,19 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
         most = self.max_completion_tokens or self.max_tokens
         self.check_min_tokens(most)
         chat = self.chat_options()
+        kwargs = dict(chat.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:  # as vLLM's build_chat_params
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+            chat = chat.model_copy(update={"chat_template_kwargs": kwargs})
+        thinking = kwargs.get("enable_thinking", True)
+        if not isinstance(thinking, bool):
+            raise invalid("chat_template_kwargs.enable_thinking", "true or false")
         params = self.to_params(most, (self.top_logprobs or 0) if self.logprobs else None)
         self.check_best_of()
-        return self.jobs([""], params, api="chat", chat=chat, tools=self.tool_use())
+        # The reasoning parser is the deployment's, set at submit (webapp/completions.py).
+        reasoning = ReasoningUse(enable_thinking=thinking)
+        return self.jobs([""], params, api="chat", chat=chat, tools=self.tool_use(), reasoning=reasoning)
 
     def tool_use(self) -> ToolUse | None:
         """What `tool_choice` makes of the output (None: content as it is); 400 naming the
@@ -294,6 +314,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = Field(description="null when the reply is tool calls alone")
+    reasoning: str | None = Field(None, description="the think span (with GENQ_REASONING_PARSER; left out without one)")
     tool_calls: list[ToolCallOut] | None = Field(None, description="the calls the reply makes (left out if none)")
 
 
@@ -330,6 +351,7 @@ class DeltaToolCall(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = Field(None, description="a piece of the think span (left out if none)")
     tool_calls: list[DeltaToolCall] | None = Field(
         None, description="a call's start (index, id, type, name), then its arguments (left out if none)"
     )

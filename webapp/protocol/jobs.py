@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tasks.schemas import PRIORITY_MAX, PRIORITY_MIN, ChatOptions, GenerationResult, JobStatus, SamplingParams
+from webapp.parsers import OutputParser
+from webapp.protocol.output import ReasoningUse, output_parser
 from webapp.protocol.tools import ToolUse
 
 # The longest `timeout_s`, and the latest `deadline` (unix time), a job may ask for: beyond them
@@ -79,6 +81,7 @@ class Jobs:
     include_usage: bool = False
     chat: ChatOptions | None = None  # a conversation (the worker renders its prompt)
     tools: ToolUse | None = None  # what the answer makes of a chat's output (tool calls)
+    reasoning: ReasoningUse | None = None  # and of its think span (webapp/protocol/output.py)
     best_of: int | None = None
     # The request's own name of `params.max_new_tokens` (OpenAI's `max_tokens`), which the errors
     # about it name as their field; None: the body's fields are SamplingParams', and say so.
@@ -98,6 +101,10 @@ class Jobs:
         texts = [m.content or "" for m in self.chat.messages]
         texts += [json.dumps(m.tool_calls) for m in self.chat.messages if m.tool_calls]
         return ["\n".join(texts + ([json.dumps(self.chat.tools)] if self.chat.tools else []))]
+
+    def output_parser(self) -> OutputParser | None:
+        """The parser of a chat choice's text (reasoning, tool calls); None: content as it is."""
+        return output_parser(self.tools, self.reasoning)
 
     @property
     def max_tokens_name(self) -> str:

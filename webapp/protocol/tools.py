@@ -145,10 +145,14 @@ class ToolUse:
     name: str | None = None
     parser: str | None = None
 
-    def output_parser(self) -> OutputParser:
+    def tool_parser(self) -> ToolParser:
         if self.mode == "auto":
-            return OutputParser(tools=tool_parser(self.parser or ""))
-        return OutputParser(tools=NamedParser(self.name or "") if self.mode == "named" else RequiredParser())
+            return tool_parser(self.parser or "")
+        return NamedParser(self.name or "") if self.mode == "named" else RequiredParser()
+
+    def output_parser(self) -> OutputParser:
+        """The calls alone (no reasoning parser): webapp/protocol/output.py joins both."""
+        return OutputParser(tools=self.tool_parser())
 
     def finish_reason(self, finish: str, calls: list[ToolCall]) -> str:
         """vLLM's and OpenAI's: `tool_calls` when the model called tools, `stop` for a forced

@@ -19,6 +19,13 @@ def healthz():
     return Health().model_dump()
 
 
+@bp.get("/health")
+@doc(response=Health)
+def health():
+    """Liveness, at the path vLLM's server answers it on (what its users' probes ask)."""
+    return healthz()
+
+
 @bp.get("/readyz")
 @doc(response=Ready, errors=(503,))
 def readyz():

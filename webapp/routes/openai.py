@@ -1,5 +1,5 @@
 """OpenAI-compatible endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (plain
-and streamed) and `GET /v1/models`. Every prompt of a request is its own job, like everywhere else."""
+and streamed), `GET /v1/models` and `GET /v1/models/<id>`. Every prompt of a request is its own job, like everywhere else."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from flask import Blueprint
 
 from webapp import auth
 from webapp.completions import current_completions
+from webapp.errors import error_response
 from webapp.openapi import BLOCKING_ERRORS, SSE, doc
 from webapp.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from webapp.protocol.completions import CompletionRequest, CompletionResponse
@@ -17,17 +18,31 @@ from webapp.service import current_service
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
 
-@bp.get("/models")
-@doc(response=ModelList, errors=(503,))
-def models():
-    """The models live workers serve."""
+def _cards() -> dict[str, ModelCard]:
     seen: dict[str, ModelCard] = {}
     for w in current_service().live_workers(fresh=True):
         card = seen.setdefault(w.model, ModelCard(id=w.model, created=int(w.started), max_model_len=w.max_model_len))
         card.created = min(card.created, int(w.started))
         if w.device not in card.devices:
             card.devices.append(w.device)
-    return ModelList(data=list(seen.values())).model_dump(mode="json")
+    return seen
+
+
+@bp.get("/models")
+@doc(response=ModelList, errors=(503,))
+def models():
+    """The models live workers serve."""
+    return ModelList(data=list(_cards().values())).model_dump(mode="json")
+
+
+@bp.get("/models/<path:model_id>")
+@doc(response=ModelCard, errors=(404, 503))
+def model(model_id: str):
+    """One model live workers serve (404 `model_not_found` for one they do not)."""
+    card = _cards().get(model_id)
+    if card is None:
+        return error_response(404, "model_not_found", f"no live worker serves {model_id!r}", param="model")
+    return card.model_dump(mode="json")
 
 
 @bp.post("/completions")

@@ -316,7 +316,9 @@ class RowProcessors:
             under = self.produced < self.min_tokens
             logits = logits.masked_fill(self.stops & under.unsqueeze(1), float("-inf"))
         if self.matchers is not None:
-            rows = [i for i, m in enumerate(self.matchers) if m is not None and not m.is_terminated()]
+            from worker.engines.structured import constrains
+
+            rows = [i for i, m in enumerate(self.matchers) if m is not None and constrains(m)]
             if rows:
                 if logits is raw:  # the kernel writes in place; the raw logits stay as they are
                     logits = logits.clone()

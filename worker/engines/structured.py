@@ -40,6 +40,7 @@ class Grammars:
 
         self.xgr = xgr
         self.vocab = vocab
+        self.tokenizer = tokenizer
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
         self._lock = threading.Lock()
@@ -71,8 +72,9 @@ class Grammars:
 
     def matcher(self, so: StructuredOutput, accepted: list[int] = ()):
         """A matcher at the grammar's start, or past `accepted` (a preempted row taken up
-        again)."""
-        m = self.xgr.GrammarMatcher(self.compile(so))
+        again). With `so.after` (the end of a reasoning span), one that allows every token
+        until the output holds that text (`Deferred`)."""
+        m = Deferred(self, so) if so.after else self.xgr.GrammarMatcher(self.compile(so))
         for t in accepted:
             m.accept_token(t)
         return m
@@ -83,6 +85,45 @@ class Grammars:
     def apply(self, logits, bitmask, rows: list[int]) -> None:
         """Disallowed tokens of `rows` (of `logits`, float32 on the CPU, in place) to -inf."""
         self.xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab, indices=rows)
+
+
+def constrains(m: Any) -> bool:
+    """Whether a row's matcher masks its next token (not ended, not waiting for its start)."""
+    return not m.is_terminated() and not getattr(m, "waiting", False)
+
+
+class Deferred:
+    """A row's matcher that starts once the row's output holds `so.after` (the end of a
+    reasoning span, `</think>`), as vLLM applies structured output to what follows the
+    reasoning: before, every token is allowed; from the token that completes that text on,
+    the constraint holds (text in that same token after the tag is not constrained)."""
+
+    # Tokens decoded from the row's end to look for the tag (far more than any tag's tokens).
+    WINDOW = 16
+
+    def __init__(self, grammars: Grammars, so: StructuredOutput):
+        self.grammars = grammars
+        self.so = so
+        self.inner = None
+        self.tail: list[int] = []
+
+    @property
+    def waiting(self) -> bool:
+        return self.inner is None
+
+    def is_terminated(self) -> bool:
+        return self.inner is not None and self.inner.is_terminated()
+
+    def accept_token(self, token: int) -> bool:
+        if self.inner is not None:
+            return self.inner.accept_token(token)
+        self.tail = (self.tail + [token])[-self.WINDOW :]
+        if self.so.after in self.grammars.tokenizer.decode(self.tail):
+            self.inner = self.grammars.xgr.GrammarMatcher(self.grammars.compile(self.so))
+        return True
+
+    def fill_next_token_bitmask(self, bitmask, i: int) -> None:
+        self.inner.fill_next_token_bitmask(bitmask, i)
 
 
 @lru_cache(maxsize=8)

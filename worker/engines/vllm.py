@@ -73,6 +73,9 @@ class VLLMEngine(Engine):
             tensor_parallel_size=settings.vllm_tensor_parallel_size,
             max_model_len=settings.vllm_max_model_len,
             disable_log_stats=True,
+            # Structured output applies to what follows the reasoning (as the hf engine's
+            # `StructuredOutput.after`), vLLM's own way: its reasoning parser finds the end.
+            reasoning_parser=settings.reasoning_parser or "",
         )
 
         async def _start():
