@@ -44,7 +44,7 @@ model-real: $(STAMP)
 	$(BIN)/python -m scripts.realmodel --out .models/smollm2-135m-instruct
 
 # exec: the launcher's parent is make itself, whose death (even by SIGKILL) stops the stack.
-run: model $(if $(findstring vllm,$(GENQ_ENGINES)),$(VLLM_STAMP))
+run: $(STAMP) $(if $(findstring vllm,$(GENQ_ENGINES)),$(VLLM_STAMP))
 	GENQ_ENGINES=$(GENQ_ENGINES) exec $(BIN)/python -m scripts.stack
 
 test: model $(VLLM_STAMP)

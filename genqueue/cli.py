@@ -180,6 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="any other field of the request (VALUE as JSON, else a string), e.g. --param top_p=0.9",
     )
+    p.add_argument(
+        "--tools",
+        metavar="FILE",
+        help='the functions the model may call: a JSON file of OpenAI\'s `tools` list ("-": stdin); '
+        "the reply's calls print as JSON lines {name, arguments}",
+    )
+    p.add_argument(
+        "--tool-choice",
+        metavar="CHOICE",
+        help='with --tools: "auto" (the default; needs the server\'s GENQ_TOOL_CALL_PARSER), "none", '
+        '"required", or a function\'s name (forced to call it)',
+    )
     p.add_argument("--max-wait", type=float, metavar="S", help="give up after S seconds")
     p.add_argument("--json", action="store_true", help="print the whole answer as JSON")
     p.set_defaults(run=cmd_chat)

@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from genqueue import errors
@@ -80,14 +81,37 @@ def cmd_chat(client: Client, args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "seed": args.seed,
+        **_tools(args),
         **(args.param or {}),
     }
     answer = client.chat_completion(messages, args.max_wait, **params)
     if args.json:
         _print_json(answer)
-    else:
-        print(answer["choices"][0]["message"]["content"])
+        return OK
+    message = answer["choices"][0]["message"]
+    if message.get("content") is not None:
+        print(message["content"])
+    for call in message.get("tool_calls") or []:  # one JSON line per call
+        print(json.dumps({"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"])}))
     return OK
+
+
+def _tools(args: argparse.Namespace) -> dict[str, Any]:
+    """`tools` and `tool_choice` of `genq chat --tools FILE [--tool-choice C]`."""
+    if args.tools is None:
+        if args.tool_choice is not None:
+            raise SystemExit("genq chat: --tool-choice needs --tools")
+        return {}
+    try:
+        text = sys.stdin.read() if args.tools == "-" else Path(args.tools).read_text()
+        tools = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"genq chat: --tools {args.tools}: {exc}") from None
+    tools = tools if isinstance(tools, list) else [tools]
+    choice = args.tool_choice
+    if choice not in (None, "auto", "none", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    return {"tools": tools, "tool_choice": choice}
 
 
 def cmd_get(client: Client, args: argparse.Namespace) -> int:

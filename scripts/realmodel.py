@@ -153,56 +153,26 @@ def _check_replaceable(out: Path) -> None:
 
 
 def convert(gguf: Path, dest: Path) -> dict:
-    """Load the GGUF with transformers (dequantized to float32) and save it as safetensors with
-    its tokenizer; returns facts for the marker."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The worker's own conversion (worker/gguf.py: dequantized to float32, saved as
+    safetensors with its tokenizer), and what this model's checkpoint adds: a chat template is
+    required, and its tokenizer adds nothing to a text (the template adds <|im_start|>).
+    Returns facts for the marker."""
+    from worker.gguf import convert as convert_gguf
 
     with _quiet():
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are plain float32 tensors now; without this the saved config would name the
-    # GGUF quantizer and from_pretrained(dest) would look for the .gguf file.
-    with contextlib.suppress(AttributeError):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
-    model.save_pretrained(dest, max_shard_size="20GB")
-    if not tok.chat_template:
+        facts = convert_gguf(gguf, dest)
+    if not facts["chat_template"]:
         raise RuntimeError(f"{gguf.name} has no chat template")
-    tok.save_pretrained(dest)
-
-    # As in scripts/devmodels.py: name a class every transformers version knows (v5 writes
-    # TokenizersBackend), keep the template in tokenizer_config.json too (transformers 4 reads
-    # it there), and drop what the GGUF loading left in (load-time flags, an unbounded length).
     path = dest / "tokenizer_config.json"
     cfg = json.loads(path.read_text())
-    for key in ("is_local", "local_files_only"):
-        cfg.pop(key, None)
-    cfg.update(
-        tokenizer_class="PreTrainedTokenizerFast",
-        chat_template=tok.chat_template,
-        model_max_length=model.config.max_position_embeddings,
-        add_bos_token=False,  # SmolLM2's tokenizer adds nothing to a text; the template adds <|im_start|>
-        add_eos_token=False,
-        clean_up_tokenization_spaces=False,
-    )
+    cfg.update(add_bos_token=False, add_eos_token=False)
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-    c = model.config
-    return {
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "config": {
-            "model_type": c.model_type,
-            "num_hidden_layers": c.num_hidden_layers,
-            "hidden_size": c.hidden_size,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": getattr(c, "head_dim", c.hidden_size // c.num_attention_heads),
-            "max_position_embeddings": c.max_position_embeddings,
-            "vocab_size": c.vocab_size,
-        },
-        "tokenizer_len": len(tok),
-    }
+    config = json.loads((dest / "config.json").read_text())
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")
+    c = {k: config.get(k) for k in keys}
+    c["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    c.update(max_position_embeddings=config["max_position_embeddings"], vocab_size=config["vocab_size"])
+    return {"parameters": facts["parameters"], "config": c, "tokenizer_len": facts["tokenizer_len"]}
 
 
 def check(path: Path, max_new_tokens: int = 24) -> str:

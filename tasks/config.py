@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
 from functools import lru_cache
@@ -70,6 +71,10 @@ class EngineSettings(_Env):
 
     model: str = "facebook/opt-125m"
     model_name: str | None = None
+    gguf_cache: str = Field(
+        "~/.cache/genqueue/gguf",
+        description="where a GENQ_MODEL that is a .gguf file is converted to (once) and loaded from (worker/gguf.py)",
+    )
     engine: Literal["hf", "vllm", "echo", "sim"] = "hf"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights' dtype; auto: bfloat16 on CPUs with native bf16, else float32"
@@ -225,7 +230,12 @@ class Settings(
 
     @property
     def served_model(self) -> str:
-        return self.model_name or self.model
+        """GENQ_MODEL_NAME, else GENQ_MODEL (a GGUF file's: its name without `.gguf`)."""
+        if self.model_name:
+            return self.model_name
+        if self.model.lower().endswith(".gguf"):
+            return os.path.basename(self.model)[: -len(".gguf")]
+        return self.model
 
     @property
     def auth_enabled(self) -> bool:

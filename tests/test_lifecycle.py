@@ -72,7 +72,8 @@ def test_the_api_never_imports_model_libraries(redis_url):
 
 
 def test_make_run_launcher_serves_and_stops_everything_on_sigterm(tiny_model, tmp_path):
-    """With GENQ_WORKERS=2: two worker processes serve the model, and all go at SIGTERM."""
+    """With GENQ_WORKERS=2: two worker processes serve the default model (SmolLM2), and all go
+    at SIGTERM."""
     port = stackmod.free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_") and k != "REDIS_URL"}
     env.update(GENQ_PORT=str(port), GENQ_API_WORKERS="1", GENQ_DATA_DIR=str(tmp_path / "data"), GENQ_WORKERS="2")
@@ -93,7 +94,7 @@ def test_make_run_launcher_serves_and_stops_everything_on_sigterm(tiny_model, tm
                 stackmod.http_get(base + "/readyz")[0] == 200
                 and len(requests.get(base + "/readyz", timeout=5).json()["workers"]) == 2
             ),
-            60,
+            240,  # the first start builds the default model (scripts/realmodel.py, about a minute)
             "make run's stack with its two workers",
         )
         resp = requests.post(base + "/basic_generate", json={"prompt": "Hello"}, timeout=60)
@@ -109,7 +110,7 @@ def test_make_run_launcher_serves_and_stops_everything_on_sigterm(tiny_model, tm
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, [c.pid for c in alive]
         text = log.read_text()
-        assert "TINY RANDOM-WEIGHT" in text and "curl" in text and "stopped" in text
+        assert "serving SmolLM2-135M-Instruct" in text and "curl" in text and "stopped" in text
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -387,6 +387,28 @@ def test_a_batch_line_and_the_client_get_the_same_calls(client, tools_stack):
     assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "tool_choice.function.name"
 
 
+def test_genq_chat_calls_tools(tools_stack, tmp_path, capsys, monkeypatch):
+    """`genq chat --tools FILE --tool-choice NAME`: the forced call prints as a JSON line;
+    `--tool-choice none` prints the content; bad options exit with a message."""
+    from genqueue.cli import main
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    monkeypatch.setenv("GENQ_URL", tools_stack.base)
+    base = ["chat", "What time is it?", "--model", tools_stack.name, "--temperature", "0", "--tools", str(tools)]
+    assert main([*base, "--tool-choice", "get_time"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    call = json.loads(line)
+    assert call["name"] == "get_time" and call["arguments"]["zone"] in ("UTC", "CET")
+    assert main([*base, "--tool-choice", "none", "--max-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()  # the content: text, not a call
+    with pytest.raises(SystemExit, match="--tool-choice needs --tools"):
+        main(["chat", "hi", "--tool-choice", "required"])
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="bad.json"):
+        main(["chat", "hi", "--tools", str(tmp_path / "bad.json")])
+
+
 @pytest.fixture(scope="module")
 def real_stack(make_module_stack):
     """SmolLM2-135M-Instruct (scripts/realmodel.py), with its own chat template, which does not

@@ -28,7 +28,7 @@ from tasks.jobs import JobStore
 from tasks.kombu_compat import guard_restores
 from tasks.placement import Placement
 from tasks.registry import Registry, WorkerInfo
-from worker import chatbound, metrics, tasks, tokenbound
+from worker import chatbound, gguf, metrics, tasks, tokenbound
 from worker.asks import Answerers
 from worker.chat import Chat
 from worker.engines import create_engine
@@ -135,6 +135,10 @@ def main() -> None:
     )
     publisher = StreamPublisher(client, settings.result_ttl, settings.max_new_tokens_limit + 16)
 
+    if gguf.is_gguf(settings.model) and settings.engine in ("hf", "vllm"):
+        # Served under the file's name, loaded from its conversion (once, cached).
+        settings.model_name = settings.served_model
+        settings.model = str(gguf.converted(settings.model, settings.gguf_cache))
     started = time.monotonic()
     log.info("loading %s engine for %s", settings.engine, settings.model)
     engine = create_engine(settings, publisher)
