@@ -163,15 +163,14 @@ class Usage:
         return out
 
 
-def read_usage(client: redis.Redis, owner: str | None = None) -> list[Usage]:
-    """The counts of every owner (or only `owner`'s: '' for an open API's jobs), by owner and
-    model; an open API's jobs under ANONYMOUS."""
+def read_usage(client: redis.Redis) -> list[Usage]:
+    """The counts of every owner, by owner and model; an open API's jobs under ANONYMOUS."""
     rows: dict[tuple[str, str], Usage] = {}
     for field, value in client.hgetall(keys.USAGE).items():
         field = field.decode() if isinstance(field, bytes) else field
         who, _, rest = field.partition("\t")
         model, _, count = rest.rpartition("\t")
-        if count not in COUNTS or (owner is not None and who != owner):
+        if count not in COUNTS:
             continue
         row = rows.setdefault((who, model), Usage(who or ANONYMOUS, model))
         setattr(row, count, int(value))
