@@ -19,6 +19,7 @@ from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
 from tasks import keys
+from tasks.usage import NONE, counts_of
 
 if TYPE_CHECKING:
     from tasks.jobs import JobStore
@@ -51,7 +52,8 @@ class NoSubscribeRedisBackend(RedisBackend):
         expires = self.failure_expires if state == states.FAILURE else self.expires
         if state == states.SUCCESS and self.job_store is not None:
             key = bytes_to_str(self.get_key_for_task(task_id))
-            self.ensure(self.job_store.succeed, (task_id, attempt, key, self.encode(meta), int(expires or 0)))
+            counts = counts_of(result) or NONE  # its tokens, counted to its owner's usage
+            self.ensure(self.job_store.succeed, (task_id, attempt, key, self.encode(meta), int(expires or 0), counts))
             request.genq_finished = True
             return result
         self.ensure(self._fenced_set, (task_id, self.encode(meta), expires, attempt))

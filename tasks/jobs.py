@@ -19,6 +19,7 @@ from tasks import keys
 from tasks.errors import CANCELLED, EXPIRED, JobError, QuotaExceeded, worker_lost
 from tasks.records import Attempt, queued_record
 from tasks.schemas import JobSpec, JobStatus
+from tasks.usage import COUNT, NONE, Counts, count_args
 
 # Moves a job to a new status if its current one is allowed, and keeps what hangs off the
 # status in step: the queued set (queue depth), the running worker's in-flight hash (what
@@ -143,6 +144,7 @@ ACTIVE = (JobStatus.queued, JobStatus.running)
 # Where `JobStore.get(..., result_key=...)` puts the raw value of the job's result key: not a
 # field of the record (decode_record ignores it).
 RESULT_RAW = "\0result-raw"
+Raw = str | bytes
 MAX_BLOCK_S = 3.0
 
 
@@ -167,7 +169,8 @@ class JobStore:
         self.max_attempts = max_attempts
         self._transition = client.register_script(_TRANSITION)
         self._create = client.register_script(_CREATE)
-        self._succeed = client.register_script(_SUCCEED)
+        self._succeed = client.register_script(COUNT + _SUCCEED)
+        self._counted = client.register_script(COUNT + _TRANSITION)  # counts tokens (tasks/usage.py)
         self._solo = client.register_script(_SOLO)
 
     def create(
@@ -245,6 +248,7 @@ class JobStore:
         worker: str = "",
         tag: str = "",
         _result: tuple[str | bytes, str | bytes, int] | None = None,
+        _counts: Counts | None = None,
         **fields: Any,
     ) -> tuple[int, JobStatus | None, int, int]:
         flat: list[str] = []
@@ -253,8 +257,11 @@ class JobStore:
             flat += [k, v if isinstance(v, str) else json.dumps(v)]
         script, extra_keys = self._transition, []
         if _result is not None:
-            script, extra_keys = self._succeed, [_result[0]]
-            flat += [_result[1], str(_result[2])]
+            script, extra_keys = self._succeed, [_result[0], keys.USAGE]
+            flat += [_result[1], str(_result[2]), *count_args(*(_counts or NONE))]
+        elif _counts is not None:
+            script, extra_keys = self._counted, [keys.USAGE]
+            flat += count_args(*_counts)
         res = script(
             keys=[keys.job(job_id), keys.done(job_id), keys.stream(job_id), *extra_keys],
             args=[
@@ -310,28 +317,32 @@ class JobStore:
         error: JobError | None = None,
         fence: int | None = None,
         result: dict[str, Any] | None = None,
+        counts: Counts | None = None,
     ) -> tuple[bool, JobStatus | None]:
         """`error`: why it ended (stored with the field it concerns: tasks/errors.py).
         `result`: the partial result of a failed job (a timeout keeps its text); a succeeded
-        job's result is in the result backend."""
+        job's result is in the result backend. `counts`: its tokens, for usage (tasks/usage.py)."""
         fields: dict[str, Any] = {"finished": repr(time.time())}
         if error:
             fields["error"] = error
         if result:
             fields["result"] = result
-        return self.transition(job_id, status, ACTIVE, fence, **fields)
+        return self.transition(job_id, status, ACTIVE, fence, _counts=counts, **fields)
 
-    def succeed(self, job_id: str, attempt: int, result_key: str | bytes, value: str | bytes, expires: int) -> bool:
+    def succeed(
+        self, job_id: str, attempt: int, result_key: Raw, value: Raw, expires: int, counts: Counts = NONE
+    ) -> bool:
         """Store a job's result (the result backend's encoded value under its key, `expires`
         seconds, 0 = no expiry) and mark the job succeeded, in one call, both only while
-        `attempt` is the job's current one (the status also only from queued or running).
-        Returns whether the status moved."""
+        `attempt` is the job's current one (the status also only from queued or running), and
+        counts the job's tokens to its owner's usage (tasks/usage.py). Returns whether it moved."""
         moved, _, _, _ = self._move(
             job_id,
             JobStatus.succeeded,
             ACTIVE,
             attempt,
             _result=(result_key, value, int(expires or 0)),
+            _counts=counts,
             finished=repr(time.time()),
         )
         return moved == 1

@@ -122,3 +122,14 @@ BATCHES_SEQ = f"{PREFIX}:batches:seq"
 def batches_of(owner: str) -> str:
     """An owner's batches (its API key's name, or `-` on an open API), scored by creation."""
     return f"{PREFIX}:batches:of:{owner}"
+
+
+# Usage per API key (tasks/usage.py): one hash, field `<owner>\t<model>\t<count>` (count: jobs,
+# prompt_tokens, completion_tokens, cached_tokens), owner '' for the jobs of an open API.
+USAGE = f"{PREFIX}:usage"
+
+
+def rate(kind: str, owner: str) -> str:
+    """An owner's sliding window of `kind` (`rpm`: requests, `tpm`: tokens): a hash of the
+    Unix second -> the count in that second, over the last minute (tasks/usage.py)."""
+    return f"{PREFIX}:rate:{kind}:{owner}"

@@ -13,7 +13,7 @@ from tasks.config import Settings, get_settings
 from webapp import auth, batches, completions, errors, ids, metrics, openapi
 from webapp.bodyguard import BodyGuard
 from webapp.routes import batches as batch_routes
-from webapp.routes import health, jobs, openai, teaching, tokens
+from webapp.routes import health, jobs, openai, teaching, tokens, usage
 from webapp.service import EXTENSION, JobService
 
 
@@ -52,7 +52,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     ids.init_app(app)  # after auth: its 401 comes first
     openapi.init_app(app)
     batches.init_app(app, settings)
-    for bp in (health.bp, jobs.bp, teaching.bp, openai.bp, tokens.bp, batch_routes.bp):
+    for bp in (health.bp, jobs.bp, teaching.bp, openai.bp, tokens.bp, batch_routes.bp, usage.bp):
         app.register_blueprint(bp)
     # No client holds the API by sending its bodies slowly (webapp/bodyguard.py).
     app.wsgi_app = BodyGuard(app.wsgi_app, settings.body_timeout, settings.max_bodies_per_client)

@@ -10,9 +10,12 @@ key by its name, and a job belongs to the name that created it.
 The keys file holds one key per line; blank lines and lines starting with `#` are skipped:
 
     <key, or sha256:<its hex digest>> [name=<name>] [max_queued=<n>] [max_new_tokens=<n>]
+        [rpm=<n>] [tpm=<n>] [admin=true|false]
 
 `max_queued` caps the key's waiting jobs (over all models), `max_new_tokens` the tokens one
-job may ask for. A key without `name=` (every key of GENQ_API_KEYS) is named
+job may ask for; `rpm` its requests and `tpm` its tokens per minute (webapp/limits.py `admit`).
+`admin=true`: the key sees every key's usage (GET /v1/usage). A key without `name=` (every
+key of GENQ_API_KEYS) is named
 `key-<the first 8 hex digits of its digest>`. Both sources are read once, at start.
 """
 
@@ -35,7 +38,8 @@ from webapp.errors import error_response
 OPEN_PATHS = frozenset({"/healthz", "/health", "/readyz", "/metrics", "/openapi.json"})
 NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 DIGEST = re.compile(r"sha256:([0-9a-fA-F]{64})")
-LIMITS = ("max_queued", "max_new_tokens")
+LIMITS = ("max_queued", "max_new_tokens", "rpm", "tpm")
+FLAGS = {"true": True, "false": False}
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class ApiKey:
     digest: bytes = field(repr=False)
     max_queued: int | None = None
     max_new_tokens: int | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    admin: bool = False
 
 
 def digest(key: str) -> bytes:
@@ -64,17 +71,21 @@ def parse_line(line: str, where: str) -> ApiKey:
     opts: dict[str, str] = {}
     for opt in options:
         k, sep, v = opt.partition("=")
-        if not sep or k not in ("name", *LIMITS) or k in opts:
-            raise ValueError(f"{where}: expected name=, max_queued= or max_new_tokens= once each, got {k!r}")
+        if not sep or k not in ("name", "admin", *LIMITS) or k in opts:
+            expected = ", ".join(f"{o}=" for o in ("name", *LIMITS, "admin"))
+            raise ValueError(f"{where}: expected {expected} once each, got {k!r}")
         opts[k] = v
     name = opts.pop("name", None)
     name = default_name(d) if name is None else name
     if not NAME.fullmatch(name):
         raise ValueError(f"{where}: name: 1-64 letters, digits and _.@-")
+    admin = opts.pop("admin", "false")
+    if admin not in FLAGS:
+        raise ValueError(f"{where}: admin: true or false")
     for k, v in opts.items():
         if not v.isdigit() or int(v) < 1:
             raise ValueError(f"{where}: {k}: a whole number from 1")
-    return ApiKey(name, d, **{k: int(v) for k, v in opts.items()})
+    return ApiKey(name, d, **{k: int(v) for k, v in opts.items()}, admin=FLAGS[admin])
 
 
 def load_keys(settings: Settings) -> list[ApiKey]:

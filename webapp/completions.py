@@ -6,7 +6,8 @@ on the queue, and the answer is assembled from their results as a body (`body`) 
 (`stream`), in the shape of the API the request came from (`Jobs.api`).
 
 `submit` is the only place that checks a request's jobs against this deployment's and its API
-key's limits (with errors that name the request's own fields) and resolves its model; the
+key's limits (with errors that name the request's own fields; its rpm/tpm rates too, which a
+batch's lines are exempt from: the driver's key carries no rates) and resolves its model; the
 routes and the batch driver only parse and call it.
 """
 
@@ -16,11 +17,13 @@ import logging
 import re
 import time
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from flask import Response, current_app, request
 
 from tasks.schemas import NO_CHAT_TEMPLATE, SamplingParams
+from tasks.usage import RateLimiter
 from webapp import context, limits, metrics, tokens
 from webapp.auth import ApiKey
 from webapp.errors import APIError
@@ -101,6 +104,11 @@ class CompletionService:
     def __init__(self, jobs: JobService):
         self.jobs = jobs
 
+    @cached_property
+    def rates(self) -> RateLimiter:
+        """The API keys' rpm/tpm windows (tasks/usage.py)."""
+        return RateLimiter(self.jobs.r)
+
     def submit(self, req: Jobs, owner: ApiKey | None, wait: bool = True) -> Submitted:
         """Check the limits, resolve the model and queue the jobs. `wait`: the caller answers
         once they end (a blocking call or a stream), so it fails at once with 503 when no live
@@ -128,6 +136,7 @@ class CompletionService:
         if so is not None and end and so.after is None:  # constrained after the reasoning, as vLLM
             params = params.model_copy(update={"structured_outputs": so.model_copy(update={"after": end})})
         self.check_context(req, params, model)
+        limits.admit(self.rates, owner)  # last: a request refused for its input is not counted
         ids = s.enqueue(
             req.prompts,
             params,

@@ -1,6 +1,7 @@
 """The limits a request's jobs are checked against before they are queued: this deployment's
 (`check`) and its API key's (`for_key`), with errors that name the request's own fields
-(OpenAI's `max_tokens`, the job API's `max_new_tokens`: `Jobs.max_tokens_field`).
+(OpenAI's `max_tokens`, the job API's `max_new_tokens`: `Jobs.max_tokens_field`), and its
+key's rates (`admit`: the keys file's rpm= and tpm=, tasks/usage.py).
 webapp.completions.CompletionService.submit applies them, and the model's context after them
 (webapp/context.py)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from tasks.config import Settings
 from tasks.schemas import SamplingParams
+from tasks.usage import RPM, RateLimiter
 from webapp.auth import ApiKey
 from webapp.errors import APIError
 from webapp.protocol.jobs import Jobs
@@ -68,3 +70,24 @@ def too_many_tokens(req: Jobs, limit: int, whose: str = "") -> APIError:
     body of SamplingParams fields, /v1/jobs's, names it in the message alone, as it always has)."""
     name = req.max_tokens_name
     return APIError(400, "invalid_request", f"{name}: must be at most {limit}{whose}", param=req.max_tokens_field)
+
+
+def admit(limiter: RateLimiter, key: ApiKey | None) -> None:
+    """429 `rate_limit_exceeded` (OpenAI's code) with Retry-After, the seconds until the window
+    frees, when the key has sent `rpm` requests in the last minute, or its jobs that ended in the
+    last minute used `tpm` tokens (prompt and completion); else the request counts as one."""
+    if key is None or (key.rpm is None and key.tpm is None):
+        return
+    seen = limiter.admit(key.name, key.rpm, key.tpm)
+    if seen.refused is None:
+        return
+    if seen.refused == RPM:
+        what = f"{seen.requests} requests in the last minute; its limit (rpm) is {key.rpm}"
+    else:
+        what = f"{seen.tokens} tokens in the last minute; its limit (tpm) is {key.tpm}"
+    raise APIError(
+        429,
+        "rate_limit_exceeded",
+        f"this API key used {what}; try again in {seen.retry_after} s",
+        {"Retry-After": str(seen.retry_after)},
+    )

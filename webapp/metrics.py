@@ -9,8 +9,10 @@ process) the process's own registry is served.
 What the API counts: requests by route, method and status, and their latency by route and
 method (`genq:api_request_duration_seconds`); jobs queued, per model; job
 submissions refused with 429 or 503, by the error's code; open token streams. Live workers per
-model and engine and the jobs waiting per model (`genq:num_requests_waiting`: the queue's exact
-depth, priority sub-queues included, tasks/jobs.py) are read from Redis when scraped.
+model and engine, the jobs waiting per model (`genq:num_requests_waiting`: the queue's exact
+depth, priority sub-queues included, tasks/jobs.py) and the tokens used per API key and model
+(`genq:key_tokens_total{key,model_name,kind}`, `genq:key_jobs_total`: tasks/usage.py, counted
+by the workers) are read from Redis when scraped.
 
 Every job message the API publishes carries the time it was queued (header `genq_created`),
 from which its worker measures queue time and time to first token without asking Redis
@@ -31,6 +33,7 @@ from flask import Flask, Response, g, request
 from tasks.celery_app import GENERATE_TASK
 from tasks.config import Settings, queue_for
 from tasks.logs import job_event
+from tasks.usage import read_usage
 from webapp.errors import BROKER_ERRORS
 from webapp.openapi import doc
 from webapp.service import EXTENSION
@@ -61,6 +64,9 @@ LATENCY_BUCKETS = (
 # Read from Redis at scrape time, not counted: (name, help).
 WORKERS_LIVE = ("genq:workers_live", "Live workers with a loaded model, per model and engine.")
 WAITING = ("genq:num_requests_waiting", "Jobs waiting in a model's queue (priority sub-queues included).")
+# Counted by the workers as jobs end, per API key and model (tasks/usage.py), read when scraped.
+KEY_TOKENS = ("genq:key_tokens", "Tokens of ended jobs per API key and model, by kind (prompt, completion, cached).")
+KEY_JOBS = ("genq:key_jobs", "Ended jobs whose tokens were counted, per API key and model.")
 
 
 class ApiMetrics:
@@ -147,7 +153,18 @@ class _FromRedis:
         waiting = GaugeMetricFamily(*WAITING, labels=["model_name"])
         for model in sorted({w.model for w in workers} | {self.service.settings.served_model}):
             waiting.add_metric([model], self.service.store.depth(queue_for(model)))
-        return [live, waiting]
+        return [live, waiting, *self._usage()]
+
+    def _usage(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        tokens = CounterMetricFamily(*KEY_TOKENS, labels=["key", "model_name", "kind"])
+        jobs = CounterMetricFamily(*KEY_JOBS, labels=["key", "model_name"])
+        for u in read_usage(self.service.r):
+            jobs.add_metric([u.key, u.model], u.jobs)
+            for kind in ("prompt", "completion", "cached"):
+                tokens.add_metric([u.key, u.model, kind], getattr(u, f"{kind}_tokens"))
+        return [tokens, jobs]
 
 
 # `/metrics` needs no key, and every label value is a series it serves for good: each label takes

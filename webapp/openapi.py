@@ -36,12 +36,14 @@ ERRORS: dict[int, str] = {
     400: "the request is invalid: `invalid_request`, `invalid_json`, `prompt_too_long`, "
     "`unsupported_parameter`, `invalid_file` (an upload's bad line, named)",
     401: "`unauthorized`: no API key, or an unknown one (only when the API has keys)",
+    403: "`forbidden`: only an admin key may see that (another key's usage)",
     404: "`not_found` (no such job, or another key's) or `model_not_found`",
     409: "`already_final`: the job (or batch) had already ended; as a job's outcome, `cancelled`",
     413: "`request_entity_too_large` (the body is over GENQ_MAX_BODY_BYTES), `too_many_prompts` or "
     "`file_too_large` (GENQ_MAX_FILE_BYTES)",
     415: "`unsupported_media_type`: the body must be sent as `Content-Type: application/json`",
-    429: "`queue_full` (GENQ_MAX_QUEUE_DEPTH) or `quota_exceeded` (the key's max_queued); see Retry-After",
+    429: "`queue_full` (GENQ_MAX_QUEUE_DEPTH), `quota_exceeded` (the key's max_queued) or "
+    "`rate_limit_exceeded` (the key's rpm or tpm); see Retry-After",
     502: "the job failed on the worker (its error code: `worker_lost`, `generation_failed`, ...)",
     503: "`no_worker` serves the model, or `broker_unavailable` (Redis); see Retry-After",
     504: "the job ran out of time: `timeout` (it ran past its deadline or GENQ_JOB_TIMEOUT, "

@@ -33,6 +33,7 @@ from tasks.errors import JobError, JobFailed, JobRefused
 from tasks.jobs import ACTIVE, Attempt, JobStore
 from tasks.placement import Placement
 from tasks.schemas import GenerationResult, JobSpec, JobStatus
+from tasks.usage import counts_of
 from worker import metrics
 from worker.cancels import CancelWatch
 from worker.chat import Chat
@@ -224,10 +225,10 @@ def _finish(task_id, task: WorkerTask, retval, state) -> None:
     metrics.job_finished(task_id, state, retval)
     if state == "SUCCESS":
         if not getattr(task.request, "genq_finished", False):
-            task.store.finish(task_id, JobStatus.succeeded, fence=attempt)
+            task.store.finish(task_id, JobStatus.succeeded, fence=attempt, counts=counts_of(retval))
     elif state == "FAILURE":
         if isinstance(retval, JobFailed):
             error, partial = retval.error, retval.partial
         else:
             error, partial = JobError("internal", f"{type(retval).__name__}: {retval}"), None
-        task.store.finish(task_id, JobStatus.failed, error, fence=attempt, result=partial)
+        task.store.finish(task_id, JobStatus.failed, error, fence=attempt, result=partial, counts=counts_of(partial))
