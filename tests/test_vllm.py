@@ -238,3 +238,34 @@ def test_vllm_fields_and_structured_output_reach_vllm(vllm_stack, tiny_model):
         assert json.loads(out["text"])["color"] in ("red", "green"), out
     (out,) = complete(structured_outputs={"choice": ["yes", "no"]})
     assert out["text"] in ("yes", "no")
+
+
+def test_forced_tool_calls_through_the_vllm_engine(vllm_stack):
+    """A named function and `required` through a vLLM worker: the forcing schemas reach vLLM's
+    structured output, and the calls' arguments match the tools' schemas."""
+    import jsonschema
+
+    zone = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    tools = [
+        {"type": "function", "function": {"name": "get_time", "parameters": zone}},
+        {"type": "function", "function": {"name": "get_weather", "parameters": city}},
+    ]
+    schemas = {"get_time": zone, "get_weather": city}
+    body = {"model": vllm_stack.name, "messages": [{"role": "user", "content": "Time?"}], "tools": tools}
+    body.update(max_tokens=120, temperature=0)
+    for choice, finish in (
+        ({"type": "function", "function": {"name": "get_time"}}, "stop"),
+        ("required", "tool_calls"),
+    ):
+        # One call for `required` (the random model would add calls until max_tokens otherwise).
+        resp = vllm_stack.post(
+            "/v1/chat/completions", json={**body, "tool_choice": choice, "parallel_tool_calls": False}
+        )
+        assert resp.status_code == 200, resp.text
+        (answer,) = resp.json()["choices"]
+        assert answer["finish_reason"] == finish and answer["message"]["content"] is None, answer
+        calls = answer["message"]["tool_calls"]
+        assert calls and (choice == "required" or [c["function"]["name"] for c in calls] == ["get_time"])
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])

@@ -10,6 +10,7 @@ processes of its own (spawned, never forked).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -32,6 +33,20 @@ def _has_gpu() -> bool:
         return torch.cuda.is_available()
     except Exception:  # noqa: BLE001 - no torch, or a CUDA build without a driver
         return False
+
+
+def compact_json_grammar(so) -> str:
+    """The EBNF of a JSON schema (or any object) without whitespace between JSON's tokens, as
+    the hf engine compiles it (worker/engines/structured.py)."""
+    import xgrammar as xgr
+
+    from worker.engines.structured import GrammarError, field_of, first_line, string_lengths
+
+    schema = string_lengths(json.loads(so.json_schema)) if so.json_schema is not None else {"type": "object"}
+    try:
+        return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":")))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise GrammarError(field_of(so), first_line(exc)) from None
 
 
 class VLLMEngine(Engine):
@@ -107,10 +122,12 @@ class VLLMEngine(Engine):
                 f"the prompt has {n_prompt} tokens; with max_new_tokens={max_new} that exceeds "
                 f"the model's context of {self.max_model_len} tokens",
             )
+        # A constraint vLLM cannot take fails the job here, naming its field (as the hf engine's).
+        structured = self._structured(p.structured_outputs)
         future: Future[GenerationResult] = Future()
         # The prompt as token ids: tokenized here (add_special_tokens, truncate_prompt_tokens), or as sent.
         prompt = {"prompt_token_ids": ids}
-        asyncio.run_coroutine_threadsafe(self._generate(spec, prompt, max_new, future), self.loop)
+        asyncio.run_coroutine_threadsafe(self._generate(spec, prompt, max_new, future, structured), self.loop)
         return future
 
     def cancel(self, job_id: str) -> None:
@@ -129,6 +146,10 @@ class VLLMEngine(Engine):
         """vLLM's StructuredOutputsParams of the job's StructuredOutput (or None)."""
         if so is None:
             return None
+        if so.disable_any_whitespace and (so.json_schema is not None or so.json_object):
+            # vLLM's xgrammar backend reads only its engine-wide disable_any_whitespace: the
+            # job's compact JSON goes to it as the grammar xgrammar makes of the schema.
+            return self._StructuredOutputsParams(grammar=compact_json_grammar(so))
         kind = (
             {"json": so.json_schema}
             if so.json_schema is not None
@@ -161,7 +182,7 @@ class VLLMEngine(Engine):
             )
         return out
 
-    async def _generate(self, spec: JobSpec, prompt: dict, max_new: int, future: Future) -> None:
+    async def _generate(self, spec: JobSpec, prompt: dict, max_new: int, future: Future, structured=None) -> None:
         p = spec.params
         params = self._SamplingParams(
             max_tokens=max_new,
@@ -185,7 +206,7 @@ class VLLMEngine(Engine):
             skip_special_tokens=p.skip_special_tokens,
             spaces_between_special_tokens=p.spaces_between_special_tokens,
             prompt_logprobs=p.prompt_logprobs,
-            structured_outputs=self._structured(p.structured_outputs),
+            structured_outputs=structured,
             output_kind=self._DELTA,
         )
         self._active += 1
