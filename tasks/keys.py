@@ -1,5 +1,6 @@
 """Names of every Redis key genqueue owns, in one place."""
 
+import hashlib
 from collections.abc import Callable
 
 PREFIX = "genq"
@@ -122,3 +123,16 @@ BATCHES_SEQ = f"{PREFIX}:batches:seq"
 def batches_of(owner: str) -> str:
     """An owner's batches (its API key's name, or `-` on an open API), scored by creation."""
     return f"{PREFIX}:batches:of:{owner}"
+
+
+def idempotency(owner: str, key: str) -> str:
+    """What an `Idempotency-Key` header of one owner (an API key's name, `""` on an open API)
+    stands for, for 24 h (webapp/idempotency.py): the key itself hashed, so that any header
+    value makes one key name."""
+    return f"{PREFIX}:idem:{owner}:{hashlib.sha256(key.encode()).hexdigest()}"
+
+
+# Completion callbacks due (webapp/callbacks.py): member `job:<id>` or `batch:<id>`, scored by
+# when it is next due. A final status adds its job's entry in the Lua that writes it
+# (tasks/jobs.py); a deliverer claims an entry by moving its score past its lease.
+CALLBACKS_DUE = f"{PREFIX}:callbacks:due"

@@ -21,7 +21,7 @@ from typing import Any
 from flask import Response, current_app, request
 
 from tasks.schemas import NO_CHAT_TEMPLATE, SamplingParams
-from webapp import context, limits, metrics, tokens
+from webapp import callbacks, context, idempotency, limits, metrics, tokens
 from webapp.auth import ApiKey
 from webapp.errors import APIError
 from webapp.protocol import chat, common
@@ -47,6 +47,9 @@ class Submitted:
     ids: list[str]
     model: str
     created: int
+    # The request had an Idempotency-Key: its jobs outlive its client, for a retry to take up
+    # (webapp/idempotency.py), instead of being cancelled when it goes away.
+    keep: bool = False
 
     @property
     def response_id(self) -> str:
@@ -103,6 +106,7 @@ class CompletionService:
         s = self.jobs
         every = [p for p in req.texts for _ in range(req.per_prompt)]
         limits.check(req, every, s.settings)
+        callbacks.check_url(req.callback_url, s.settings)
         if req.tools is not None and req.tools.mode == "auto":
             req.tools = replace(req.tools, parser=self.tool_call_parser())
         model = s.model_for_engine(req.engine) if req.engine else s.resolve_model(req.model)
@@ -117,17 +121,25 @@ class CompletionService:
         if req.best_of and params.logprobs is None:  # `best` ranks them by their tokens' logprobs
             params = params.model_copy(update={"logprobs": 0})
         self.check_context(req, params, model)
-        ids = s.enqueue(
-            req.prompts,
-            params,
-            model,
-            stream=req.stream,
-            sched=req.sched,
-            owner=owner,
-            n=req.per_prompt,
-            chat=req.chat,
-        )
-        return Submitted(req, ids, model, created)
+
+        def create() -> dict[str, Any]:
+            ids = s.enqueue(
+                req.prompts,
+                params,
+                model,
+                stream=req.stream,
+                sched=req.sched,
+                owner=owner,
+                n=req.per_prompt,
+                chat=req.chat,
+                callback_url=req.callback_url,
+            )
+            return {"ids": ids, "model": model, "created": created}
+
+        # A retry with the same Idempotency-Key and body gets the first request's jobs.
+        made, _ = idempotency.once(owner.name if owner else "", create)
+        keep = idempotency.header_key() is not None
+        return Submitted(req, made["ids"], made["model"], int(made["created"]), keep)
 
     def check_context(self, req: Jobs, params: SamplingParams, model: str) -> None:
         """400 `prompt_too_long` (vLLM's error), before anything is queued, for a prompt that
@@ -205,7 +217,7 @@ class CompletionService:
         """The jobs' results in order (raises the APIError of the first that failed, in the
         request's words: a worker's message names the job's `max_new_tokens`)."""
         try:
-            return self.jobs.collect(sub.ids, environ)
+            return self.jobs.collect(sub.ids, environ, abandon=not sub.keep)
         except APIError as exc:
             field = sub.jobs.max_tokens_field
             if field is None or not (JOB_MAX_TOKENS.search(exc.message) or exc.param == "max_new_tokens"):
@@ -233,7 +245,7 @@ class CompletionService:
     def stream(self, sub: Submitted) -> Response:
         """The answer as server-sent events, in the API's chunks, while the jobs run."""
         relay = ChatRelay(sub) if sub.jobs.api == "chat" else CompletionRelay(sub)
-        return relay.response(self.jobs.events(sub.ids, cancel_on_exit=True))
+        return relay.response(self.jobs.events(sub.ids, cancel_on_exit=not sub.keep))
 
 
 def cumulative_logprob(result: dict[str, Any]) -> float:

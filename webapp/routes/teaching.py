@@ -61,7 +61,8 @@ def generate_vllm():
 def generate_stream():
     """One `data: {"token", "sequence_id"}` line per generated token."""
     req = parse(BasicGenerateRequest)
-    (job_id,) = _submit([req.prompt], req, stream=True).ids
+    sub = _submit([req.prompt], req, stream=True)
+    (job_id,) = sub.ids
 
     def token(_, ev):
         if ev.text or not ev.finish:
@@ -74,4 +75,4 @@ def generate_stream():
     def restart(_, ev):
         return sse.event({"restart": True, "attempt": ev.attempt, "sequence_id": job_id})
 
-    return sse.relay(current_service().events([job_id], cancel_on_exit=True), token, end, restart)
+    return sse.relay(current_service().events([job_id], cancel_on_exit=not sub.keep), token, end, restart)
