@@ -20,7 +20,7 @@ from webapp import auth, callbacks, idempotency, ids
 from webapp.batches import current_batches
 from webapp.batches.files import LineError
 from webapp.errors import APIError
-from webapp.openapi import Param, doc
+from webapp.openapi import IDEMPOTENCY, Param, doc
 from webapp.protocol.batches import Batch, BatchList, BatchRequest, File, FileDeleted, FileUpload
 from webapp.routes._body import parse
 
@@ -42,7 +42,7 @@ def _line_error(exc: LineError):
 
 
 @bp.post("/files")
-@doc(form=FileUpload, response=File, errors=(400, 413, 503))
+@doc(params=(IDEMPOTENCY,), form=FileUpload, response=File, errors=(400, 409, 413, 503))
 def create_file():
     """Upload a batch's input file (JSONL); each line is checked, the first bad one named."""
     settings = current_app.config["GENQ"]
@@ -106,7 +106,7 @@ def delete_file(file_id: str):
 
 
 @bp.post("/batches")
-@doc(body=BatchRequest, response=Batch, errors=(404, 503))
+@doc(params=(IDEMPOTENCY,), body=BatchRequest, response=Batch, errors=(400, 404, 409, 503))
 def create_batch():
     """Start a batch of the requests of an uploaded file."""
     req = parse(BatchRequest)

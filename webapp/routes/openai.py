@@ -7,7 +7,7 @@ from flask import Blueprint
 
 from webapp import auth
 from webapp.completions import current_completions
-from webapp.openapi import BLOCKING_ERRORS, SSE, doc
+from webapp.openapi import BLOCKING_ERRORS, IDEMPOTENCY, SSE, doc
 from webapp.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from webapp.protocol.completions import CompletionRequest, CompletionResponse
 from webapp.protocol.models import ModelCard, ModelList
@@ -32,6 +32,7 @@ def models():
 
 @bp.post("/completions")
 @doc(
+    params=(IDEMPOTENCY,),
     body=CompletionRequest,
     response=CompletionResponse,
     stream=SSE("with `stream`: OpenAI's completion chunks, then `[DONE]`"),
@@ -45,6 +46,7 @@ def completions():
 
 @bp.post("/chat/completions")
 @doc(
+    params=(IDEMPOTENCY,),
     body=ChatCompletionRequest,
     response=ChatCompletionResponse,
     stream=SSE("with `stream`: OpenAI's chat completion chunks (each choice opens with its role), then `[DONE]`"),
