@@ -12,6 +12,7 @@ import json
 import signal
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -237,6 +238,27 @@ def test_without_an_allow_list_only_public_hosts_may_be_called_back():
         check_url("http://127.0.0.1:9001/x", allow)
     with pytest.raises(APIError):
         check_url("https://93.184.216.34/hook", allow)  # listed hosts only
+
+
+def test_a_final_status_and_its_callback_are_written_together(store):
+    """The entry is due in the call that ends the job, however it ends; none without a URL."""
+    from tasks.schemas import JobSpec, JobStatus, SamplingParams
+
+    r = store.r
+    made = []
+    for url in ("http://127.0.0.1:1/x", None):
+        spec = JobSpec(id=str(uuid.uuid4()), model="m", prompt="p", params=SamplingParams(), callback_url=url)
+        assert store.create([spec], f"genq.test-{uuid.uuid4().hex[:6]}", 10)[0]
+        made.append(spec.id)
+    with_url, without = made
+    assert r.zscore(keys.CALLBACKS_DUE, f"job:{with_url}") is None  # not while it is queued
+    store.start(with_url, "w", "tag")
+    assert r.zscore(keys.CALLBACKS_DUE, f"job:{with_url}") is None  # nor while it runs
+    assert store.finish(with_url, JobStatus.failed)[0]
+    assert store.cancel(without)[0]
+    assert r.zscore(keys.CALLBACKS_DUE, f"job:{with_url}") is not None
+    assert r.zscore(keys.CALLBACKS_DUE, f"job:{without}") is None
+    r.zrem(keys.CALLBACKS_DUE, f"job:{with_url}")
 
 
 def test_the_signature_is_githubs_scheme():

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 import redis
+import requests
 
 from tasks import keys
 from tests.helpers import sse_events
@@ -80,6 +81,21 @@ def test_a_blocking_retry_gets_the_first_requests_result(s, redis_url):
     # Without the key, the same body runs again.
     c = s.post("/v1/completions", json=body)
     assert c.status_code == 200 and c.json()["id"] != a.json()["id"]
+
+
+def test_a_client_that_gives_up_and_retries_gets_the_same_jobs_result(s, redis_url):
+    """The first call's client times out while its job runs: the job is kept (not cancelled as
+    a key-less call's would be), and the retry gets its result."""
+    h = key()
+    prompt = f"gave up {uuid.uuid4().hex[:6]}"
+    body = {"model": s.name, "prompt": prompt, "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(requests.Timeout):
+        s.post("/v1/completions", json=body, headers=h, timeout=0.3)
+    again = s.post("/v1/completions", json=body, headers=h)
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["completion_tokens"] == 480
+    (job_id,) = _jobs_with_prompt(redis_url, prompt)
+    assert again.json()["id"] == f"cmpl-{job_id}"
 
 
 def test_a_teaching_route_retry_gets_the_same_completion(s, redis_url):
