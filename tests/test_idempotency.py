@@ -55,6 +55,17 @@ def test_a_retry_without_the_header_creates_a_second_job(s, redis_url):
     assert len(_jobs_with_prompt(redis_url, body["prompt"])) == 2
 
 
+def test_the_python_client_sends_the_key(s, redis_url):
+    from genqueue import Client
+
+    prompt = f"client {uuid.uuid4().hex[:6]}"
+    k = uuid.uuid4().hex
+    with Client(s.base) as client:
+        first = client.submit(prompt, idempotency_key=k, max_new_tokens=2)
+        assert client.submit(prompt, idempotency_key=k, max_new_tokens=2) == first
+    assert _jobs_with_prompt(redis_url, prompt) == [first]
+
+
 def test_a_retry_with_the_header_gets_the_same_job(s, redis_url):
     h = key()
     body = {"prompt": f"one job {uuid.uuid4().hex[:6]}", "max_new_tokens": 4}
