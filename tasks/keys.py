@@ -136,3 +136,5 @@ def idempotency(owner: str, key: str) -> str:
 # when it is next due. A final status adds its job's entry in the Lua that writes it
 # (tasks/jobs.py); a deliverer claims an entry by moving its score past its lease.
 CALLBACKS_DUE = f"{PREFIX}:callbacks:due"
+# The failed attempts at each due callback so far (member -> count), for its backoff.
+CALLBACKS_ATTEMPTS = f"{PREFIX}:callbacks:attempts"

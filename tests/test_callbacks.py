@@ -21,7 +21,7 @@ import redis
 from scripts import stack as stackmod
 from tasks import keys
 from tasks.config import Settings
-from webapp.callbacks import ATTEMPTS, check_url, sign
+from webapp.callbacks import check_url, sign
 from webapp.errors import APIError
 
 SECRET = "callback-test-secret"
@@ -89,6 +89,48 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
+def db():
+    """A Redis of this module's own: every API process delivers the callbacks due in its Redis,
+    with its own settings; the other tests' stacks (without GENQ_CALLBACK_ALLOW) would refuse to
+    call this module's receivers back."""
+    server = stackmod.PrivateRedis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def make_module_stack(db, tiny_model, stack_logs):
+    from conftest import Stacks
+
+    stacks = Stacks(db.url, tiny_model, stack_logs)
+    yield stacks
+    stacks.stop()
+
+
+@pytest.fixture
+def make_stack(db, tiny_model, stack_logs):
+    from conftest import Stacks
+
+    stacks = Stacks(db.url, tiny_model, stack_logs)
+    yield stacks
+    stacks.stop()
+
+
+@pytest.fixture
+def redis_url(db):
+    return db.url
+
+
+@pytest.fixture
+def store(db):
+    from tasks.jobs import JobStore
+
+    client = redis.Redis.from_url(db.url, decode_responses=True)
+    yield JobStore(client, ttl=600, max_attempts=3)
+    client.close()
+
+
+@pytest.fixture(scope="module")
 def s(make_module_stack):
     st = make_module_stack(**ENV)
     st.start_api()
@@ -149,7 +191,7 @@ def test_a_failing_endpoint_is_retried_until_it_answers(s, receiver, redis_url):
     assert all(b["id"] == job_id and b["status"] == "succeeded" for b in bodies)
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     stackmod.wait_until(lambda: r.zscore(keys.CALLBACKS_DUE, f"job:{job_id}") is None, 10, "the entry removed")
-    assert r.hget(ATTEMPTS, f"job:{job_id}") is None
+    assert r.hget(keys.CALLBACKS_ATTEMPTS, f"job:{job_id}") is None
     time.sleep(1.5)  # past the next backoff: delivered, it is not sent again
     assert len(receiver.received) == 3
 

@@ -48,8 +48,6 @@ CLAIM_MAX = 16
 # The first retry's delay, doubled each time, up to BACKOFF_MAX_S.
 BACKOFF_S = 1.0
 BACKOFF_MAX_S = 300.0
-# Attempts per entry so far (member -> count), for the backoff.
-ATTEMPTS = keys.CALLBACKS_DUE + ":attempts"
 
 # Claims a due entry: moves its score to the lease's end if it is due (score <= now).
 # KEYS: the due set. ARGV: member, now, lease end. Returns 1 if claimed.
@@ -214,7 +212,7 @@ class CallbackDeliverer:
             error = exc.message
         except requests.RequestException as exc:
             error = type(exc).__name__
-        attempts = self.r.hincrby(ATTEMPTS, member, 1)
+        attempts = self.r.hincrby(keys.CALLBACKS_ATTEMPTS, member, 1)
         now = time.time()
         if now > (ended or now) + self.settings.callback_deadline:
             log.warning("callback %s to %s dropped after %d attempts (%s)", member, url, attempts, error)
@@ -229,5 +227,5 @@ class CallbackDeliverer:
     def _forget(self, member: str) -> None:
         pipe = self.r.pipeline()
         pipe.zrem(keys.CALLBACKS_DUE, member)
-        pipe.hdel(ATTEMPTS, member)
+        pipe.hdel(keys.CALLBACKS_ATTEMPTS, member)
         pipe.execute()
