@@ -144,6 +144,8 @@ class CallbackDeliverer:
         self._warned = 0.0
 
     def start(self) -> None:
+        if self.settings.webhook_secret is None:
+            log.warning("GENQ_WEBHOOK_SECRET is not set: completion callbacks go unsigned")
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self.run, name="genq-callbacks", daemon=True)
             self._thread.start()
