@@ -89,12 +89,15 @@ class Client(BatchAPI):
 
     # -- jobs --------------------------------------------------------------------------------
 
-    def submit(self, prompt: str, **params: Any) -> str:
+    def submit(self, prompt: str, idempotency_key: str | None = None, **params: Any) -> str:
         """Queue a job (POST /v1/jobs) and return its id. `params`: the job's fields
-        (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `model`, ...);
-        None values are left out."""
+        (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `model`,
+        `callback_url`, ...); None values are left out. `idempotency_key`: sent as the
+        `Idempotency-Key` header, so that submitting again with it (after a timeout, say)
+        returns the same job instead of queueing another."""
         body = {"prompt": prompt, **{k: v for k, v in params.items() if v is not None}}
-        return self._json("POST", "/v1/jobs", json=body)["id"]
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else None
+        return self._json("POST", "/v1/jobs", json=body, headers=headers)["id"]
 
     def get(self, job_id: str) -> dict:
         """The job as it is now (GET /v1/jobs/{id}): status, timings, result or error."""

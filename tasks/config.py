@@ -185,6 +185,23 @@ class BatchSettings(_Env):
     batch_window: int = Field(256, ge=1, description="lines of one batch waiting or running at once")
 
 
+class CallbackSettings(_Env):
+    """Completion callbacks (webapp/callbacks.py)."""
+
+    webhook_secret: SecretStr | None = Field(
+        None, description="signs each callback: X-Genq-Signature: sha256=<hex HMAC-SHA256 of the body>"
+    )
+    callback_allow: str = Field(
+        "",
+        description="comma list of the hosts (host, host:port, or .suffix) a callback_url may point to; "
+        "empty: any public address (loopback, private and link-local ones are refused unless listed)",
+    )
+    callback_deadline: float = Field(
+        3600.0, gt=0, description="seconds after a job ends that its callback is retried before it is dropped"
+    )
+    callback_timeout: float = Field(10.0, gt=0, description="seconds one callback POST may take")
+
+
 class WorkerSettings(_Env):
     """How workers tell they are alive and find lost jobs."""
 
@@ -223,7 +240,14 @@ class ObservabilitySettings(_Env):
 
 
 class Settings(
-    RedisSettings, ApiSettings, EngineSettings, LimitSettings, BatchSettings, WorkerSettings, ObservabilitySettings
+    RedisSettings,
+    ApiSettings,
+    EngineSettings,
+    LimitSettings,
+    BatchSettings,
+    CallbackSettings,
+    WorkerSettings,
+    ObservabilitySettings,
 ):
     """Every setting, in its groups above; each is `GENQ_<NAME>` in the environment (REDIS_URL
     for `redis_url`). The API and the workers read the same ones."""

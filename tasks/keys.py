@@ -1,5 +1,6 @@
 """Names of every Redis key genqueue owns, in one place."""
 
+import hashlib
 from collections.abc import Callable
 
 PREFIX = "genq"
@@ -133,3 +134,18 @@ def rate(kind: str, owner: str) -> str:
     """An owner's sliding window of `kind` (`rpm`: requests, `tpm`: tokens): a hash of the
     Unix second -> the count in that second, over the last minute (tasks/usage.py)."""
     return f"{PREFIX}:rate:{kind}:{owner}"
+
+
+def idempotency(owner: str, key: str) -> str:
+    """What an `Idempotency-Key` header of one owner (an API key's name, `""` on an open API)
+    stands for, for 24 h (webapp/idempotency.py): the key itself hashed, so that any header
+    value makes one key name."""
+    return f"{PREFIX}:idem:{owner}:{hashlib.sha256(key.encode()).hexdigest()}"
+
+
+# Completion callbacks due (webapp/callbacks.py): member `job:<id>` or `batch:<id>`, scored by
+# when it is next due. A final status adds its job's entry in the Lua that writes it
+# (tasks/jobs.py); a deliverer claims an entry by moving its score past its lease.
+CALLBACKS_DUE = f"{PREFIX}:callbacks:due"
+# The failed attempts at each due callback so far (member -> count), for its backoff.
+CALLBACKS_ATTEMPTS = f"{PREFIX}:callbacks:attempts"

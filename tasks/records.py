@@ -24,6 +24,8 @@ def queued_record(spec: JobSpec, queue: str, now: str) -> dict[str, str | int]:
         "priority": spec.priority,
         "deadline": "" if spec.deadline is None else repr(spec.deadline),
         "owner": spec.owner or "",
+        # Where its record is POSTed once it ends ('' none): tasks/jobs.py, webapp/callbacks.py.
+        "callback_url": spec.callback_url or "",
         # The message's content, to publish it again should the broker lose it.
         "spec": spec.model_dump_json(),
     }

@@ -10,7 +10,7 @@ from redis.retry import Retry
 from tasks import redis_conn
 from tasks.celery_app import BLOCKING_SOCKET_TIMEOUT_S, SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
 from tasks.config import Settings, get_settings
-from webapp import auth, batches, completions, errors, ids, metrics, openapi
+from webapp import auth, batches, callbacks, completions, errors, idempotency, ids, metrics, openapi
 from webapp.bodyguard import BodyGuard
 from webapp.routes import batches as batch_routes
 from webapp.routes import health, jobs, openai, teaching, tokens, usage
@@ -45,6 +45,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     client, blocking = redis_client(SENDER_SOCKET_TIMEOUT_S), redis_client(BLOCKING_SOCKET_TIMEOUT_S)
     app.extensions[EXTENSION] = service = JobService(settings, client, make_sender(settings), blocking)
     app.extensions[completions.EXTENSION] = completions.CompletionService(service)
+    app.extensions[callbacks.EXTENSION] = callbacks.CallbackDeliverer(service, settings)
+    idempotency.init_app(app, client)
 
     errors.register(app)
     metrics.init_app(app, settings)

@@ -24,7 +24,7 @@ from flask import Response, current_app, request
 
 from tasks.schemas import NO_CHAT_TEMPLATE, SamplingParams
 from tasks.usage import RateLimiter
-from webapp import context, limits, metrics, tokens
+from webapp import callbacks, context, idempotency, limits, metrics, tokens
 from webapp.auth import ApiKey
 from webapp.errors import APIError
 from webapp.parsers import REASONING_FIELD
@@ -52,6 +52,9 @@ class Submitted:
     ids: list[str]
     model: str
     created: int
+    # The request had an Idempotency-Key: its jobs outlive its client, for a retry to take up
+    # (webapp/idempotency.py), instead of being cancelled when it goes away.
+    keep: bool = False
 
     @property
     def response_id(self) -> str:
@@ -116,6 +119,7 @@ class CompletionService:
         s = self.jobs
         every = [p for p in req.texts for _ in range(req.per_prompt)]
         limits.check(req, every, s.settings)
+        callbacks.check_url(req.callback_url, s.settings)
         if req.tools is not None and req.tools.mode == "auto":
             req.tools = replace(req.tools, parser=self.tool_call_parser())
         if req.reasoning is not None:
@@ -136,18 +140,26 @@ class CompletionService:
         if so is not None and end and so.after is None:  # constrained after the reasoning, as vLLM
             params = params.model_copy(update={"structured_outputs": so.model_copy(update={"after": end})})
         self.check_context(req, params, model)
-        limits.admit(self.rates, owner)  # last: a request refused for its input is not counted
-        ids = s.enqueue(
-            req.prompts,
-            params,
-            model,
-            stream=req.stream,
-            sched=req.sched,
-            owner=owner,
-            n=req.per_prompt,
-            chat=req.chat,
-        )
-        return Submitted(req, ids, model, created)
+
+        def create() -> dict[str, Any]:
+            limits.admit(self.rates, owner)  # last: a request refused for its input is not counted
+            ids = s.enqueue(
+                req.prompts,
+                params,
+                model,
+                stream=req.stream,
+                sched=req.sched,
+                owner=owner,
+                n=req.per_prompt,
+                chat=req.chat,
+                callback_url=req.callback_url,
+            )
+            return {"ids": ids, "model": model, "created": created}
+
+        # A retry with the same Idempotency-Key and body gets the first request's jobs.
+        made, _ = idempotency.once(owner.name if owner else "", create)
+        keep = idempotency.header_key() is not None
+        return Submitted(req, made["ids"], made["model"], int(made["created"]), keep)
 
     def check_context(self, req: Jobs, params: SamplingParams, model: str) -> None:
         """400 `prompt_too_long` (vLLM's error), before anything is queued, for a prompt that
@@ -225,7 +237,7 @@ class CompletionService:
         """The jobs' results in order (raises the APIError of the first that failed, in the
         request's words: a worker's message names the job's `max_new_tokens`)."""
         try:
-            return self.jobs.collect(sub.ids, environ)
+            return self.jobs.collect(sub.ids, environ, abandon=not sub.keep)
         except APIError as exc:
             field = sub.jobs.max_tokens_field
             if field is None or not (JOB_MAX_TOKENS.search(exc.message) or exc.param == "max_new_tokens"):
@@ -253,7 +265,7 @@ class CompletionService:
     def stream(self, sub: Submitted) -> Response:
         """The answer as server-sent events, in the API's chunks, while the jobs run."""
         relay = ChatRelay(sub) if sub.jobs.api == "chat" else CompletionRelay(sub)
-        return relay.response(self.jobs.events(sub.ids, cancel_on_exit=True))
+        return relay.response(self.jobs.events(sub.ids, cancel_on_exit=not sub.keep))
 
 
 def cumulative_logprob(result: dict[str, Any]) -> float:

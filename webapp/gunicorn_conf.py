@@ -100,10 +100,12 @@ def on_exit(server):
 
 
 def post_worker_init(worker):
-    """Every API process drives the batches (webapp/batches/driver.py; their state is all in Redis)."""
-    from webapp import batches
+    """Every API process drives the batches (webapp/batches/driver.py; their state is all in Redis)
+    and delivers the callbacks due (webapp/callbacks.py)."""
+    from webapp import batches, callbacks
 
     batches.start_driver(worker.wsgi)
+    worker.wsgi.extensions[callbacks.EXTENSION].start()
 
 
 def when_ready(server):

@@ -52,8 +52,8 @@ ERRORS: dict[int, str] = {
 # The statuses of a route that reads a JSON body.
 BODY_ERRORS = (400, 413, 415)
 # Those of one that submits jobs, and of one that also waits for them.
-SUBMIT_ERRORS = (*BODY_ERRORS, 404, 429, 503)
-BLOCKING_ERRORS = (*SUBMIT_ERRORS, 409, 502, 504)
+SUBMIT_ERRORS = (*BODY_ERRORS, 404, 409, 429, 503)
+BLOCKING_ERRORS = (*SUBMIT_ERRORS, 502, 504)
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,16 @@ class Doc:
     params: tuple[Param, ...] = ()
     headers: dict[str, str] = field(default_factory=dict)  # response headers: name -> description
     tag: str | None = None
+
+
+# The header of a safe retry (webapp/idempotency.py), on every submitting route.
+IDEMPOTENCY = Param(
+    "Idempotency-Key",
+    "header",
+    {"type": "string", "minLength": 1, "maxLength": 255},
+    "a retry with the same key and body gets what the first request created (24 h, per API key); "
+    "another body: 409 idempotency_key_reused",
+)
 
 
 def doc(**kw: Any) -> Callable:

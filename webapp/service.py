@@ -181,6 +181,7 @@ class JobService:
         owner: ApiKey | None = None,
         n: int = 1,
         chat: ChatOptions | None = None,
+        callback_url: str | None = None,
     ) -> list[str]:
         """Record and enqueue one job per prompt, for a request that has been checked against
         the limits and whose model is resolved (webapp.completions.CompletionService.submit
@@ -189,7 +190,8 @@ class JobService:
         `sched`: the jobs' priority and deadline. `owner`: the request's API key (None: the API
         is open); the jobs carry its name and count against its quota. `n`: jobs per prompt
         (OpenAI's `n`), in a row, the j-th with `params.for_choice(j)` (its own seed). `chat`: the
-        conversation of chat jobs, which their worker renders into their prompts."""
+        conversation of chat jobs, which their worker renders into their prompts.
+        `callback_url`: where each job's record is POSTed once it ends (webapp/callbacks.py)."""
         prompts = [p for p in prompts for _ in range(n)]
         queue = queue_for(model)
         sched = sched or Scheduling()
@@ -206,6 +208,7 @@ class JobService:
                 priority=sched.priority,
                 deadline=deadline,
                 owner=owner.name if owner else None,
+                callback_url=callback_url,
             )
             for k, p in enumerate(prompts)
         ]
@@ -298,10 +301,11 @@ class JobService:
             body["result"] = None if raw is None else self.celery.backend.decode(raw).get("result")
         return body, record_error(rec)
 
-    def collect(self, job_ids: list[str], environ: dict | None = None) -> list[dict[str, Any]]:
+    def collect(self, job_ids: list[str], environ: dict | None = None, abandon: bool = True) -> list[dict[str, Any]]:
         """The results of the jobs a blocking call submitted, in order. A client that closes
         its connection meanwhile has its jobs cancelled (a retrying client would otherwise
-        double the load); `environ` is the request's WSGI environ, where that shows."""
+        double the load); `environ` is the request's WSGI environ, where that shows.
+        `abandon=False`: they are not (a retry with its Idempotency-Key takes them up)."""
         deadline = time.monotonic() + self.settings.max_wait
         gone = client_gone(environ)
         results: list[dict[str, Any]] = []
@@ -314,8 +318,9 @@ class JobService:
                 results.append(self.outcome(job_id, deadline, gone))
             return results
         except ClientGone:
-            log.info("client went away: cancelling %d job(s)", len(job_ids))
-            self.abandon(job_ids)
+            log.info("client went away: %s %d job(s)", "cancelling" if abandon else "keeping", len(job_ids))
+            if abandon:
+                self.abandon(job_ids)
             raise APIError(499, "client_closed_request", "the client closed the connection") from None
 
     def outcome(self, job_id: str, deadline: float, gone: Callable[[], bool] | None = None) -> dict[str, Any]:

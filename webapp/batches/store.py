@@ -7,6 +7,7 @@ the driver (webapp/batches/driver.py) is here or in the file store (docs/design.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -106,6 +107,7 @@ class BatchStore:
             "input_file_id": req.input_file_id,
             "completion_window": req.completion_window,
             "metadata": json.dumps(req.metadata) if req.metadata else "",
+            "callback_url": req.callback_url or "",
             "created_at": at,
             "expires_at": at + 86_400,
             **dict.fromkeys(("total", "completed", "failed", "fed", "chunk", "offset"), 0),
@@ -204,6 +206,8 @@ class BatchStore:
         pipe.hset(key, mapping={"status": "failed", "failed_at": now(), "errors": _errors(errors), "total": total})
         pipe.expire(key, self.settings.file_ttl)
         pipe.srem(keys.BATCHES_ACTIVE, batch_id)
+        if self.r.hget(key, "callback_url"):
+            pipe.zadd(keys.CALLBACKS_DUE, {f"batch:{batch_id}": time.time()}, nx=True)
         pipe.execute()
 
     def start(self, batch_id: str, total: int) -> None:
@@ -322,6 +326,8 @@ class BatchStore:
             pipe.expire(key, ttl)
             pipe.delete(keys.batch_part(batch_id, "pending"))
             pipe.srem(keys.BATCHES_ACTIVE, batch_id)
+            if current.get("callback_url"):  # due with the end, in its transaction (webapp/callbacks.py)
+                pipe.zadd(keys.CALLBACKS_DUE, {f"batch:{batch_id}": time.time()}, nx=True)
 
         self.r.transaction(end, key, keys.batch_part(batch_id, "out"), keys.batch_part(batch_id, "err"))
 

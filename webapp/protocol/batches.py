@@ -35,6 +35,12 @@ class BatchRequest(BaseModel):
     endpoint: Endpoint
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = Field(None, max_length=16)
+    callback_url: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2048,
+        description="genqueue: POST the batch (as GET /v1/batches/{id}) here once it ends",
+    )
 
 
 class BatchLine(BaseModel):

@@ -83,6 +83,7 @@ class Jobs:
     tools: ToolUse | None = None  # what the answer makes of a chat's output (tool calls)
     reasoning: ReasoningUse | None = None  # and of its think span (webapp/protocol/output.py)
     best_of: int | None = None
+    callback_url: str | None = None  # each job's record is POSTed there once it ends
     # The request's own name of `params.max_new_tokens` (OpenAI's `max_tokens`), which the errors
     # about it name as their field; None: the body's fields are SamplingParams', and say so.
     max_tokens_field: str | None = None
@@ -115,8 +116,11 @@ class Jobs:
     def of(cls, req: BaseModel, prompts: list[str], exclude: set[str], **kw: Any) -> Jobs:
         """The jobs of a body that is SamplingParams and Scheduling fields beside `exclude`
         (`/v1/jobs`, the teaching endpoints)."""
-        params, sched = split_request(req, exclude)
-        return cls(prompts, params, sched, **kw)
+        params, sched = split_request(req, exclude | {"callback_url"})
+        return cls(prompts, params, sched, callback_url=getattr(req, "callback_url", None), **kw)
+
+
+CALLBACK_URL = "POST the job's record (as GET /v1/jobs/{id}) here once it ends, signed X-Genq-Signature"
 
 
 class JobRequest(SamplingParams, Scheduling):
@@ -124,6 +128,7 @@ class JobRequest(SamplingParams, Scheduling):
 
     prompt: str = Field(min_length=1)
     model: str | None = Field(None, min_length=1)
+    callback_url: str | None = Field(None, min_length=1, max_length=2048, description=CALLBACK_URL)
 
 
 class BasicGenerateRequest(SamplingParams, Scheduling):

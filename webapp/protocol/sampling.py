@@ -129,6 +129,10 @@ class SamplingRequest(BaseModel):
     min_tokens: int | None = Field(DEFAULTS["min_tokens"], ge=0, le=2**31 - 1)
     stop_token_ids: list[int] | None = Field(None, max_length=STOP_TOKEN_IDS_MAX)
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True, description="lower is served first")
+    # genqueue's extension: each job's record is POSTed there once it ends (webapp/callbacks.py).
+    callback_url: str | None = Field(
+        None, min_length=1, max_length=2048, description="genqueue: POST each job's record here once it ends"
+    )
     # Accepted and not used: they do not change what is generated.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -202,6 +206,7 @@ class SamplingRequest(BaseModel):
             include_usage=bool(self.stream_options and self.stream_options.include_usage),
             best_of=self.ranked,
             max_tokens_field="max_tokens",
+            callback_url=self.callback_url,
             **kw,
         )
 

@@ -8,6 +8,7 @@ from typing import TypeVar
 from flask import request
 from pydantic import BaseModel, ValidationError
 
+from webapp import idempotency
 from webapp.errors import APIError
 
 M = TypeVar("M", bound=BaseModel)
@@ -28,7 +29,7 @@ def parse(model: type[M]) -> M:
     raw = request.get_data(cache=False)
     if not raw.strip():
         raise APIError(400, "invalid_request", "the request needs a JSON body")
-    strict_json(raw)
+    idempotency.remember_body(strict_json(raw))
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
@@ -50,12 +51,12 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def strict_json(raw: bytes) -> None:
+def strict_json(raw: bytes) -> object:
     """400 `invalid_json` for what pydantic's parser lets through or reports vaguely: a key
     twice in one object (it would keep the last, silently), NaN and Infinity (not JSON),
     nesting too deep for a parser, bytes that are not UTF-8, a number too long to read."""
     try:
-        json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except RecursionError:
         raise APIError(400, "invalid_json", "the body is not valid JSON: nested too deeply") from None
     except UnicodeDecodeError:

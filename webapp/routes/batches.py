@@ -11,14 +11,16 @@ With API keys, files and batches belong to the key that made them: to any other,
 
 from __future__ import annotations
 
+import hashlib
+
 from flask import Blueprint, current_app, jsonify, request, stream_with_context
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from webapp import auth, ids
+from webapp import auth, callbacks, idempotency, ids
 from webapp.batches import current_batches
 from webapp.batches.files import LineError
 from webapp.errors import APIError
-from webapp.openapi import Param, doc
+from webapp.openapi import IDEMPOTENCY, Param, doc
 from webapp.protocol.batches import Batch, BatchList, BatchRequest, File, FileDeleted, FileUpload
 from webapp.routes._body import parse
 
@@ -40,7 +42,7 @@ def _line_error(exc: LineError):
 
 
 @bp.post("/files")
-@doc(form=FileUpload, response=File, errors=(400, 413, 503))
+@doc(params=(IDEMPOTENCY,), form=FileUpload, response=File, errors=(400, 409, 413, 503))
 def create_file():
     """Upload a batch's input file (JSONL); each line is checked, the first bad one named."""
     settings = current_app.config["GENQ"]
@@ -57,7 +59,27 @@ def create_file():
         raise APIError(400, "invalid_request", "purpose: must be 'batch'", param="purpose")
     if upload is None:
         raise APIError(400, "invalid_request", "file: required (a multipart file field)", param="file")
-    return current_batches().files.create(upload.stream, upload.filename or "", _owner()).model_dump(mode="json")
+    files = current_batches().files
+    digest = _upload_digest(upload) if idempotency.header_key() is not None else None
+    made: dict = {}
+
+    def create() -> dict:
+        made["file"] = files.create(upload.stream, upload.filename or "", _owner())
+        return {"id": made["file"].id}
+
+    # A retry with the same Idempotency-Key and file gets the first upload's file.
+    found, replayed = idempotency.once(_owner(), create, digest)
+    file = File.from_record(files.meta(found["id"], _owner())) if replayed else made["file"]
+    return file.model_dump(mode="json")
+
+
+def _upload_digest(upload) -> str:
+    """The upload's purpose, name and bytes as one digest (the stream rewound after)."""
+    h = hashlib.sha256(f"batch\n{upload.filename or ''}\n".encode())
+    while chunk := upload.stream.read(1 << 20):
+        h.update(chunk)
+    upload.stream.seek(0)
+    return h.hexdigest()
 
 
 @bp.get("/files/<file_id>")
@@ -84,11 +106,21 @@ def delete_file(file_id: str):
 
 
 @bp.post("/batches")
-@doc(body=BatchRequest, response=Batch, errors=(404, 503))
+@doc(params=(IDEMPOTENCY,), body=BatchRequest, response=Batch, errors=(400, 404, 409, 503))
 def create_batch():
     """Start a batch of the requests of an uploaded file."""
     req = parse(BatchRequest)
-    return current_batches().store.create(req, auth.current_owner()).model_dump(mode="json")
+    callbacks.check_url(req.callback_url, current_app.config["GENQ"])
+    store, made = current_batches().store, {}
+
+    def create() -> dict:
+        made["batch"] = store.create(req, auth.current_owner())
+        return {"id": made["batch"].id}
+
+    # A retry with the same Idempotency-Key and body gets the first request's batch.
+    found, replayed = idempotency.once(_owner(), create)
+    batch = Batch.from_record(store.get(found["id"], _owner())) if replayed else made["batch"]
+    return batch.model_dump(mode="json")
 
 
 @bp.get("/batches/<batch_id>")

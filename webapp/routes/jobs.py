@@ -10,7 +10,7 @@ from tasks.streams import parse_event_id
 from webapp import auth, sse
 from webapp.completions import current_completions
 from webapp.errors import APIError, error_body, job_error_status
-from webapp.openapi import SSE, SUBMIT_ERRORS, Param, doc
+from webapp.openapi import IDEMPOTENCY, SSE, SUBMIT_ERRORS, Param, doc
 from webapp.protocol.common import cached_tokens
 from webapp.protocol.jobs import JobCreated, JobRequest, Jobs, JobView
 from webapp.routes._body import parse
@@ -20,7 +20,14 @@ bp = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 
 
 @bp.post("")
-@doc(body=JobRequest, status=202, response=JobCreated, errors=SUBMIT_ERRORS, headers={"Location": "the job's URL"})
+@doc(
+    params=(IDEMPOTENCY,),
+    body=JobRequest,
+    status=202,
+    response=JobCreated,
+    errors=SUBMIT_ERRORS,
+    headers={"Location": "the job's URL"},
+)
 def create_job():
     """Queue one job."""
     req = parse(JobRequest)

@@ -8,7 +8,7 @@ from flask import Blueprint
 from webapp import auth
 from webapp.completions import current_completions
 from webapp.errors import error_response
-from webapp.openapi import BLOCKING_ERRORS, SSE, doc
+from webapp.openapi import BLOCKING_ERRORS, IDEMPOTENCY, SSE, doc
 from webapp.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from webapp.protocol.completions import CompletionRequest, CompletionResponse
 from webapp.protocol.models import ModelCard, ModelList
@@ -47,6 +47,7 @@ def model(model_id: str):
 
 @bp.post("/completions")
 @doc(
+    params=(IDEMPOTENCY,),
     body=CompletionRequest,
     response=CompletionResponse,
     stream=SSE("with `stream`: OpenAI's completion chunks, then `[DONE]`"),
@@ -60,6 +61,7 @@ def completions():
 
 @bp.post("/chat/completions")
 @doc(
+    params=(IDEMPOTENCY,),
     body=ChatCompletionRequest,
     response=ChatCompletionResponse,
     stream=SSE("with `stream`: OpenAI's chat completion chunks (each choice opens with its role), then `[DONE]`"),

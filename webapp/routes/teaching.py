@@ -11,7 +11,7 @@ from flask import Blueprint, request
 
 from webapp import auth, sse
 from webapp.completions import Submitted, current_completions
-from webapp.openapi import BLOCKING_ERRORS, SSE, SUBMIT_ERRORS, doc
+from webapp.openapi import BLOCKING_ERRORS, IDEMPOTENCY, SSE, SUBMIT_ERRORS, doc
 from webapp.protocol.jobs import BasicGenerateRequest, BasicGenerateResponse, GenerateRequest, GenerateResponse, Jobs
 from webapp.routes._body import parse
 from webapp.service import current_service
@@ -29,7 +29,13 @@ def _completions(sub: Submitted) -> list[str]:
 
 
 @bp.post("/basic_generate")
-@doc(body=BasicGenerateRequest, response=BasicGenerateResponse, errors=BLOCKING_ERRORS, tag="teaching")
+@doc(
+    params=(IDEMPOTENCY,),
+    body=BasicGenerateRequest,
+    response=BasicGenerateResponse,
+    errors=BLOCKING_ERRORS,
+    tag="teaching",
+)
 def basic_generate():
     """Complete one prompt, blocking until it is done."""
     req = parse(BasicGenerateRequest)
@@ -38,7 +44,7 @@ def basic_generate():
 
 
 @bp.post("/generate")
-@doc(body=GenerateRequest, response=GenerateResponse, errors=BLOCKING_ERRORS, tag="teaching")
+@doc(params=(IDEMPOTENCY,), body=GenerateRequest, response=GenerateResponse, errors=BLOCKING_ERRORS, tag="teaching")
 def generate():
     """Complete several prompts, blocking until all are done."""
     req = parse(GenerateRequest)
@@ -47,7 +53,7 @@ def generate():
 
 
 @bp.post("/generate_vllm")
-@doc(body=GenerateRequest, response=GenerateResponse, errors=BLOCKING_ERRORS, tag="teaching")
+@doc(params=(IDEMPOTENCY,), body=GenerateRequest, response=GenerateResponse, errors=BLOCKING_ERRORS, tag="teaching")
 def generate_vllm():
     """Completions without their prompts, as vLLM returns them, from a vLLM worker."""
     req = parse(GenerateRequest)
@@ -56,12 +62,17 @@ def generate_vllm():
 
 @bp.post("/generate_stream")
 @doc(
-    body=BasicGenerateRequest, stream=SSE('`{"token", "sequence_id"}` per token'), errors=SUBMIT_ERRORS, tag="teaching"
+    params=(IDEMPOTENCY,),
+    body=BasicGenerateRequest,
+    stream=SSE('`{"token", "sequence_id"}` per token'),
+    errors=SUBMIT_ERRORS,
+    tag="teaching",
 )
 def generate_stream():
     """One `data: {"token", "sequence_id"}` line per generated token."""
     req = parse(BasicGenerateRequest)
-    (job_id,) = _submit([req.prompt], req, stream=True).ids
+    sub = _submit([req.prompt], req, stream=True)
+    (job_id,) = sub.ids
 
     def token(_, ev):
         if ev.text or not ev.finish:
@@ -74,4 +85,4 @@ def generate_stream():
     def restart(_, ev):
         return sse.event({"restart": True, "attempt": ev.attempt, "sequence_id": job_id})
 
-    return sse.relay(current_service().events([job_id], cancel_on_exit=True), token, end, restart)
+    return sse.relay(current_service().events([job_id], cancel_on_exit=not sub.keep), token, end, restart)
