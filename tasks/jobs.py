@@ -25,7 +25,7 @@ from tasks.usage import COUNT, NONE, Counts, count_args
 # status in step: the queued set (queue depth), the running worker's in-flight hash (what
 # recovery restores when that worker dies), the done stream, and the attempt counter that
 # fences a worker whose job was taken away from it.
-# KEYS: record, done stream, token stream, (last) the due callbacks. ARGV: to, allowed (comma list), TTL if final else '',
+# KEYS: record, done stream, token stream, the due callbacks. ARGV: to, allowed (comma list), TTL if final else '',
 # '1' to start an attempt, the attempt the caller holds ('' = none: the API), worker, delivery
 # tag, max attempts, then (9-11) what a used-up job fails with, the prefixes of the queued, the
 # owner's queued and the in-flight keys (12-14: _KEY_PREFIXES), then field/value pairs to set.
@@ -77,7 +77,7 @@ if ttl ~= '' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'status', to)
   redis.call('EXPIRE', KEYS[2], ttl)
   local cb = redis.call('HGET', KEYS[1], 'callback_url')
-  if cb and cb ~= '' then redis.call('ZADD', KEYS[#KEYS], 'NX', ARGV[11], 'job:' .. id) end
+  if cb and cb ~= '' then redis.call('ZADD', KEYS[4], 'NX', ARGV[11], 'job:' .. id) end
 end
 return {moved, cur, attempts, forgiven}
 """
@@ -87,7 +87,7 @@ _KEY_PREFIXES = [keys.key_prefix(keys.queued), keys.key_prefix(keys.queued_by), 
 
 # _TRANSITION to succeeded, with the job's result written in the same call: the result
 # backend's SET, fenced like tasks/backend.py's (only while the writer's attempt, ARGV[5], is
-# the job's current one). KEYS: as _TRANSITION, the result key before the last. ARGV: as _TRANSITION, then
+# the job's current one). KEYS: as _TRANSITION, then the result key (5th) and the usage hash. ARGV: as _TRANSITION, then
 # the encoded result and its expiry in seconds ('0' = none). One round trip where the result
 # and the final status took two; the client woken by the status still finds the result.
 _SUCCEED = (
@@ -95,8 +95,8 @@ _SUCCEED = (
 local ex = table.remove(ARGV)
 local value = table.remove(ARGV)
 if redis.call('HGET', KEYS[1], 'attempts') == ARGV[5] then
-  if ex == '0' then redis.call('SET', KEYS[4], value)
-  else redis.call('SET', KEYS[4], value, 'EX', ex) end
+  if ex == '0' then redis.call('SET', KEYS[5], value)
+  else redis.call('SET', KEYS[5], value, 'EX', ex) end
 end
 """
     + _TRANSITION
@@ -266,7 +266,7 @@ class JobStore:
             script, extra_keys = self._counted, [keys.USAGE]
             flat += count_args(*_counts)
         res = script(
-            keys=[keys.job(job_id), keys.done(job_id), keys.stream(job_id), *extra_keys, keys.CALLBACKS_DUE],
+            keys=[keys.job(job_id), keys.done(job_id), keys.stream(job_id), keys.CALLBACKS_DUE, *extra_keys],
             args=[
                 to.value,
                 ",".join(s.value for s in allowed),
