@@ -250,7 +250,7 @@ def test_a_calm_key_is_not_queued_behind_another_keys_flood(make_stack, tmp_path
         flood = list(pool.map(lambda _: post("sk-flood-0000000000"), range(FLOOD)))
     calm = [post("sk-calm-00000000000") for _ in range(CALM)]
     cancelled = flood[-1]  # still waiting (in its line, with fair share): cancel it there
-    assert s.http.delete(f"{s.base}/v1/jobs/{cancelled}", headers={"Authorization": "Bearer sk-flood-0000000000"}).ok
+    assert s.post(f"/v1/jobs/{cancelled}/cancel", headers={"Authorization": "Bearer sk-flood-0000000000"}).ok
 
     def view(job_id: str, key: str) -> dict:
         resp = s.get(f"/v1/jobs/{job_id}?wait=60", headers={"Authorization": f"Bearer {key}"})
