@@ -42,6 +42,7 @@ class Stack:
             "GENQ_API_WORKERS": "2",
             "GENQ_API_KEYS_FILE": str(keys_file),
             "GENQ_FAIR_SHARE": str(fair).lower(),
+            "GENQ_FAIR_DEPTH": str(args.depth),
             "GENQ_MAX_BATCH_SIZE": str(args.batch),
             "GENQ_MAX_QUEUE_DEPTH": str(args.flood * 2),
             "GENQ_DTYPE": "float32",
@@ -84,9 +85,13 @@ def _quiet(check) -> bool:
 def run_mode(fair: bool, args, logs: Path) -> dict:
     s = Stack(fair, args, logs)
     try:
-        for _ in range(3):  # warm up
-            s.wait(s.submit(CALM_KEY, args.max_tokens), CALM_KEY)
-        idle = [s.wait(s.submit(CALM_KEY, args.max_tokens), CALM_KEY)["timings"]["total_s"] for _ in range(args.calm)]
+        # Warm up: every batch shape the flood will see, then one job at a time.
+        with ThreadPoolExecutor(16) as pool:
+            warm = list(pool.map(lambda _: s.submit(FLOOD_KEY, args.max_tokens), range(args.warm)))
+        for j in warm + [s.submit(CALM_KEY, args.max_tokens) for _ in range(3)]:
+            s.wait(j, FLOOD_KEY if j in warm else CALM_KEY)
+        idle_jobs = [s.wait(s.submit(CALM_KEY, args.max_tokens), CALM_KEY) for _ in range(args.calm)]
+        idle = [j["timings"]["total_s"] for j in idle_jobs]
         t0 = time.time()
         with ThreadPoolExecutor(16) as pool:
             flood = list(pool.map(lambda _: s.submit(FLOOD_KEY, args.max_tokens), range(args.flood)))
@@ -100,7 +105,10 @@ def run_mode(fair: bool, args, logs: Path) -> dict:
         during = [j for j in calm_jobs if j["timings"]["finished"] <= flood_end]
         lat = [j["timings"]["total_s"] for j in calm_jobs]
         return {
+            "calm_queued_p50_s": statistics.median(j["timings"]["queued_s"] for j in calm_jobs),
+            "calm_run_p50_s": statistics.median(j["timings"]["run_s"] for j in calm_jobs),
             "fair_share": fair,
+            "idle_queued_p50_s": statistics.median(j["timings"]["queued_s"] for j in idle_jobs),
             "idle_p50_s": statistics.median(idle),
             "flood_p50_s": statistics.median(lat),
             "flood_max_s": max(lat),
@@ -119,6 +127,8 @@ def main() -> int:
     p.add_argument("--pace", type=float, default=0.1, help="seconds between the calm key's jobs")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=8, help="GENQ_MAX_BATCH_SIZE of the one worker")
+    p.add_argument("--warm", type=int, default=64, help="jobs of a flood that warms the worker up first")
+    p.add_argument("--depth", type=int, default=4, help="GENQ_FAIR_DEPTH")
     p.add_argument("--modes", default="on,off", help="fair share on, off, or both")
     args = p.parse_args()
     results = []
@@ -128,13 +138,16 @@ def main() -> int:
             print(json.dumps(results[-1]), flush=True)
     OUT.mkdir(exist_ok=True)
     (OUT / "fair.json").write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "results": results}))
-    print(f"\n{args.flood}-job flood, {args.calm} calm jobs every {args.pace} s, max_tokens {args.max_tokens}\n")
-    print("| fair share | calm p50 idle | calm p50 in flood | ratio | calm max in flood | flood took |")
+    print(
+        f"\n{args.flood}-job flood, {args.calm} calm jobs every {args.pace} s, max_tokens {args.max_tokens}, "
+        f"batch {args.batch}, GENQ_FAIR_DEPTH {args.depth}\n"
+    )
+    print("| fair share | calm p50 idle | calm p50 in flood | ratio | of which queued / running (p50) | flood took |")
     print("|---|---|---|---|---|---|")
     for r in results:
         print(
             f"| {'on' if r['fair_share'] else 'off'} | {r['idle_p50_s']:.3f} s | {r['flood_p50_s']:.3f} s | "
-            f"{r['ratio']:.1f}x | {r['flood_max_s']:.3f} s | {r['flood_s']:.1f} s |"
+            f"{r['ratio']:.1f}x | {r['calm_queued_p50_s']:.3f} s / {r['calm_run_p50_s']:.3f} s | {r['flood_s']:.1f} s |"
         )
     return 0
 
