@@ -102,7 +102,8 @@ def run_mode(fair: bool, args, logs: Path) -> dict:
         calm_jobs = [s.wait(j, CALM_KEY) for j in calm]
         flood_jobs = [s.wait(j, FLOOD_KEY) for j in flood]
         flood_end = max(j["timings"]["finished"] for j in flood_jobs)
-        during = [j for j in calm_jobs if j["timings"]["finished"] <= flood_end]
+        last_start = max(j["timings"]["started"] for j in flood_jobs)
+        ahead = [j for j in calm_jobs if j["timings"]["started"] < last_start]
         lat = [j["timings"]["total_s"] for j in calm_jobs]
         return {
             "calm_queued_p50_s": statistics.median(j["timings"]["queued_s"] for j in calm_jobs),
@@ -113,7 +114,7 @@ def run_mode(fair: bool, args, logs: Path) -> dict:
             "flood_p50_s": statistics.median(lat),
             "flood_max_s": max(lat),
             "ratio": statistics.median(lat) / statistics.median(idle),
-            "calm_done_during_flood": len(during),
+            "calm_started_before_flood_last": len(ahead),
             "flood_s": flood_end - t0,
         }
     finally:
@@ -129,6 +130,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8, help="GENQ_MAX_BATCH_SIZE of the one worker")
     p.add_argument("--warm", type=int, default=64, help="jobs of a flood that warms the worker up first")
     p.add_argument("--depth", type=int, default=4, help="GENQ_FAIR_DEPTH")
+    p.add_argument("--out", type=Path, default=OUT / "fair.json", help="where the results go (JSON)")
     p.add_argument("--modes", default="on,off", help="fair share on, off, or both")
     args = p.parse_args()
     results = []
@@ -136,8 +138,9 @@ def main() -> int:
         for mode in args.modes.split(","):
             results.append(run_mode(mode == "on", args, Path(tmp)))
             print(json.dumps(results[-1]), flush=True)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "fair.json").write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "results": results}))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {**vars(args), "out": str(args.out)}
+    args.out.write_text(json.dumps({"args": meta, "cpus": os.cpu_count(), "results": results}))
     print(
         f"\n{args.flood}-job flood, {args.calm} calm jobs every {args.pace} s, max_tokens {args.max_tokens}, "
         f"batch {args.batch}, GENQ_FAIR_DEPTH {args.depth}\n"
