@@ -163,8 +163,8 @@ def main() -> None:
     # Jobs whose prefix this worker's cache holds may come through a lane of its own (tasks/placement.py).
     lane = settings.placement and engine.caches_prefixes
     placement = Placement(client, len(PRIORITY_STEPS), settings.placement_min_chars, settings.placement_max_waiting)
-    # Fair share: refill the queue's lists from the keys' lines (always: lines left from a time
-    # fair share was on are drained too).
+    # Fair share: refill the queue's lists from the keys' lines as each job is taken, and on every
+    # heartbeat (there even with fair share off: lines left from a time it was on are drained).
     fair = FairLines(client, len(PRIORITY_STEPS), settings.fair_depth)
     WorkerTask.equip(
         engine=engine,
@@ -174,7 +174,7 @@ def main() -> None:
         chat=chat,
         placement=placement if lane else None,
         queue=queue,
-        fair=fair,
+        fair=fair if settings.fair_share else None,
     )
     app = make_celery(settings)
     # A successful result and its job's status go to Redis in one call (tasks/backend.py).
