@@ -108,16 +108,14 @@ end
 # The depth is the queue's set of queued job ids, not the length of its Redis list: it counts
 # jobs whose messages are not yet published and priority sub-queues, so the cap is exact. The
 # owner's set counts the same way (_TRANSITION removes a job from both when it leaves queued).
-# With the jobs' broker messages (tasks/celery_app.py `job_message`), each is LPUSHed onto its
-# queue's list once every record is written: job and message exist together or not at all.
-# KEYS: the queued set, the owner's queued set ('' for jobs without owner), one record key per
-# job, then (with messages) one queue list per job, then `push`'s own (PUSH_KEYS of them).
+# With the jobs' broker messages (tasks/celery_app.py `job_message`), each is pushed (LPUSH; fair
+# share: tasks/fair.py's PUSH_LUA) once every record is written: job and message exist together
+# or not at all. KEYS: the queued set, the owner's queued set ('' for jobs without owner), one
+# record key per job, then (with messages) one queue list per job, then `push`'s (PUSH_KEYS).
 # ARGV: max depth, TTL, now, the number of fields per record, the owner's max queued ('' = no
 # limit), the number of jobs, then each record's field/value pairs in order (the id first),
-# then (with messages) each message, then `push`'s own. `push` is a plain LPUSH, or with fair
-# share tasks/fair.py's PUSH_LUA (into the owner's line while the list is deep enough).
-# Returns {the queue's depth before, the owner's count before, 0 created | 1 queue full |
-# 2 owner's quota exceeded}.
+# then (with messages) each message, then `push`'s own. Returns {the queue's depth before, the
+# owner's count before, 0 created | 1 queue full | 2 owner's quota exceeded}.
 _CREATE = """
 local jobs = tonumber(ARGV[6])
 local cutoff = tonumber(ARGV[3]) - tonumber(ARGV[2])
@@ -192,8 +190,8 @@ class JobStore:
         (`specs[0].owner`); past its `max_queued` waiting jobs this raises QuotaExceeded.
         `messages`: each job's broker message as (Redis list, payload)
         (tasks/celery_app.py `job_message`), pushed in the same call once the jobs are
-        recorded; without them the caller publishes the jobs itself. `fair`: the keys and
-        arguments of fair share's push (tasks/fair.py `FairLines.push_args`)."""
+        recorded; without them the caller publishes the jobs itself. `fair`: fair share's
+        (tasks/fair.py `FairLines.push_args`)."""
         now = repr(time.time())
         owner = (specs[0].owner if specs else None) or ""
         records = [queued_record(spec, queue, now) for spec in specs]
@@ -205,10 +203,9 @@ class JobStore:
         args += [payload for _, payload in messages]
         owner_set = keys.queued_by(owner) if owner else ""
         fair_keys, fair_args = fair if fair and messages else ([], [])
-        lists = [k for k, _ in messages] + fair_keys
-        depth, owned, refused = (self._create_fair if fair_keys else self._create)(
-            keys=[keys.queued(queue), owner_set, *(keys.job(s.id) for s in specs), *lists], args=args + fair_args
-        )
+        lists = [*(keys.job(s.id) for s in specs), *(k for k, _ in messages), *fair_keys]
+        script = self._create_fair if fair_keys else self._create
+        depth, owned, refused = script(keys=[keys.queued(queue), owner_set, *lists], args=args + fair_args)
         if refused == 2:
             raise QuotaExceeded(owner, owned, max_queued)
         return refused == 0, depth
