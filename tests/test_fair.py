@@ -272,3 +272,13 @@ def test_a_calm_key_is_not_queued_behind_another_keys_flood(make_stack, tmp_path
         assert behind >= 2 * FLOOD // 3, (behind, starts, last_calm)
     else:
         assert behind == 0, (behind, starts, last_calm)
+
+
+def test_a_batchs_lines_are_fed_with_its_keys_weight():
+    """The batch driver submits a batch's lines as its key, weight included (webapp/batches)."""
+    from webapp.batches.driver import BatchDriver
+
+    rec = {"owner": "heavy", "key_max_queued": "5", "key_max_new_tokens": "", "key_weight": "3"}
+    key = BatchDriver._owner_key(None, rec)
+    assert (key.name, key.max_queued, key.max_new_tokens, key.weight) == ("heavy", 5, None, 3)
+    assert BatchDriver._owner_key(None, {**rec, "key_weight": ""}).weight == 1  # a batch made before weights
