@@ -226,6 +226,18 @@ class WorkerSettings(_Env):
         description="placement: a worker with this many jobs waiting in its lane is too busy; the job goes to "
         "the shared queue, where any worker takes it",
     )
+    fair_share: bool = Field(
+        True,
+        description="fair share between API keys inside one priority: a key's jobs wait in a line of "
+        "their own and the workers take from the lines in turn, weighted by the keys' weight= "
+        "(tasks/fair.py); off: first-in, first-out",
+    )
+    fair_depth: int = Field(
+        4,
+        ge=1,
+        description="fair share: the messages one priority step of a model's Celery queue holds before "
+        "further ones wait in their owners' lines (more: fewer refills; fewer: a calm key waits less)",
+    )
 
 
 class ObservabilitySettings(_Env):

@@ -17,6 +17,7 @@ import redis
 
 from tasks import keys
 from tasks.errors import CANCELLED, EXPIRED, JobError, QuotaExceeded, worker_lost
+from tasks.fair import PLAIN_PUSH_LUA, PUSH_LUA
 from tasks.records import Attempt, queued_record
 from tasks.schemas import JobSpec, JobStatus
 from tasks.usage import COUNT, NONE, Counts, count_args
@@ -107,14 +108,14 @@ end
 # The depth is the queue's set of queued job ids, not the length of its Redis list: it counts
 # jobs whose messages are not yet published and priority sub-queues, so the cap is exact. The
 # owner's set counts the same way (_TRANSITION removes a job from both when it leaves queued).
-# With the jobs' broker messages (tasks/celery_app.py `job_message`), each is LPUSHed onto its
-# queue's list once every record is written: job and message exist together or not at all.
-# KEYS: the queued set, the owner's queued set ('' for jobs without owner), one record key per
-# job, then (with messages) one queue list per job. ARGV: max depth, TTL, now, the number of
-# fields per record, the owner's max queued ('' = no limit), the number of jobs, then each
-# record's field/value pairs in order (the id first), then (with messages) each message.
-# Returns {the queue's depth before, the owner's count before, 0 created | 1 queue full |
-# 2 owner's quota exceeded}.
+# With the jobs' broker messages (tasks/celery_app.py `job_message`), each is pushed (LPUSH; fair
+# share: tasks/fair.py's PUSH_LUA) once every record is written: job and message exist together
+# or not at all. KEYS: the queued set, the owner's queued set ('' for jobs without owner), one
+# record key per job, then (with messages) one queue list per job, then `push`'s (PUSH_KEYS).
+# ARGV: max depth, TTL, now, the number of fields per record, the owner's max queued ('' = no
+# limit), the number of jobs, then each record's field/value pairs in order (the id first),
+# then (with messages) each message, then `push`'s own. Returns {the queue's depth before, the
+# owner's count before, 0 created | 1 queue full | 2 owner's quota exceeded}.
 _CREATE = """
 local jobs = tonumber(ARGV[6])
 local cutoff = tonumber(ARGV[3]) - tonumber(ARGV[2])
@@ -136,9 +137,7 @@ for j = 1, jobs do
   if KEYS[2] ~= '' then redis.call('ZADD', KEYS[2], ARGV[3], ARGV[base + 2]) end
 end
 -- With messages: each job's Celery message onto its queue's list, after the jobs are recorded.
-for j = 1, #KEYS - 2 - jobs do
-  redis.call('LPUSH', KEYS[2 + jobs + j], ARGV[6 + jobs * n + j])
-end
+for j = 1, #KEYS - 2 - jobs - PUSH_KEYS do push(KEYS[2 + jobs + j], ARGV[6 + jobs * n + j]) end
 return {depth, owned, 0}
 """
 
@@ -171,7 +170,8 @@ class JobStore:
         self.ttl = ttl
         self.max_attempts = max_attempts
         self._transition = client.register_script(_TRANSITION)
-        self._create = client.register_script(_CREATE)
+        self._create = client.register_script(PLAIN_PUSH_LUA + _CREATE)
+        self._create_fair = client.register_script(PUSH_LUA + _CREATE)
         self._succeed = client.register_script(COUNT + _SUCCEED)
         self._counted = client.register_script(COUNT + _TRANSITION)  # counts tokens (tasks/usage.py)
         self._solo = client.register_script(_SOLO)
@@ -183,13 +183,15 @@ class JobStore:
         max_depth: int,
         max_queued: int | None = None,
         messages: list[tuple[str, str]] | None = None,
+        fair: tuple[list[str], list] | None = None,
     ) -> tuple[bool, int]:
         """Record queued jobs, atomically with a look at their queue: unless it already holds
         too many waiting jobs. Returns (created, the queue's depth). All specs share one owner
         (`specs[0].owner`); past its `max_queued` waiting jobs this raises QuotaExceeded.
         `messages`: each job's broker message as (Redis list, payload)
         (tasks/celery_app.py `job_message`), pushed in the same call once the jobs are
-        recorded; without them the caller publishes the jobs itself."""
+        recorded; without them the caller publishes the jobs itself. `fair`: fair share's
+        (tasks/fair.py `FairLines.push_args`)."""
         now = repr(time.time())
         owner = (specs[0].owner if specs else None) or ""
         records = [queued_record(spec, queue, now) for spec in specs]
@@ -200,10 +202,10 @@ class JobStore:
         messages = messages or []
         args += [payload for _, payload in messages]
         owner_set = keys.queued_by(owner) if owner else ""
-        depth, owned, refused = self._create(
-            keys=[keys.queued(queue), owner_set, *(keys.job(s.id) for s in specs), *(k for k, _ in messages)],
-            args=args,
-        )
+        fair_keys, fair_args = fair if fair and messages else ([], [])
+        lists = [*(keys.job(s.id) for s in specs), *(k for k, _ in messages), *fair_keys]
+        script = self._create_fair if fair_keys else self._create
+        depth, owned, refused = script(keys=[keys.queued(queue), owner_set, *lists], args=args + fair_args)
         if refused == 2:
             raise QuotaExceeded(owner, owned, max_queued)
         return refused == 0, depth

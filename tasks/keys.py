@@ -149,3 +149,24 @@ def idempotency(owner: str, key: str) -> str:
 CALLBACKS_DUE = f"{PREFIX}:callbacks:due"
 # The failed attempts at each due callback so far (member -> count), for its backoff.
 CALLBACKS_ATTEMPTS = f"{PREFIX}:callbacks:attempts"
+
+
+# Fair share between API keys (tasks/fair.py): per Celery queue and broker priority step, a
+# zset of the owners whose lines hold messages (scored by their next turn's virtual time), each
+# owner's line of waiting messages (a list), and the step's virtual clock.
+def fair_owners(queue: str, step: int) -> str:
+    return f"{PREFIX}:fair:{queue}:{step}"
+
+
+def fair_line(queue: str, step: int, owner: str) -> str:
+    """`fair_owners(...)` + ':' + owner: the Lua of tasks/fair.py builds it so."""
+    return f"{fair_owners(queue, step)}:{owner}"
+
+
+def fair_clock(queue: str, step: int) -> str:
+    """`fair_owners(...)` + '/clock' (owner names have no '/')."""
+    return f"{fair_owners(queue, step)}/clock"
+
+
+# owner -> its weight, as its API key last said (the mover reads it).
+FAIR_WEIGHTS = f"{PREFIX}:fair:weights"

@@ -239,7 +239,9 @@ def test_keys_reach_no_log_record_or_message(keyed, idle, r):
     job_id = submit(idle, ALICE).json()["id"]
     record = r.hgetall(f"genq:job:{job_id}")
     assert record["owner"] == NAMES[ALICE]
-    messages = [m for q in r.scan_iter(f"genq.{idle.name}*") if r.type(q) == "list" for m in r.lrange(q, 0, -1)]
+    # On its queue's lists, or (fair share: tasks/fair.py) in its key's line.
+    lists = [*r.scan_iter(f"genq.{idle.name}*"), *r.scan_iter(f"genq:fair:genq.{idle.name}*")]
+    messages = [m for q in lists if r.type(q) == "list" for m in r.lrange(q, 0, -1)]
     mine = [m for m in messages if job_id in m]
     assert mine
     (message,) = mine
@@ -260,8 +262,9 @@ def test_keys_reach_no_log_record_or_message(keyed, idle, r):
 
 def test_keys_file_lines():
     d = hashlib.sha256(b"k").hexdigest()
-    key = auth.parse_line(f"sha256:{d.upper()} name=a.b@c max_queued=3 max_new_tokens=5", "x")
+    key = auth.parse_line(f"sha256:{d.upper()} name=a.b@c max_queued=3 max_new_tokens=5 weight=2", "x")
     assert (key.name, key.digest, key.max_queued, key.max_new_tokens) == ("a.b@c", bytes.fromhex(d), 3, 5)
+    assert key.weight == 2 and auth.parse_line("k", "x").weight == 1
     assert auth.KeyTable([key]).find("k") is key and auth.KeyTable([key]).find("K") is None
     assert auth.parse_line("k", "x").name == "key-" + d[:8] and d[8:16] not in repr(auth.parse_line("k", "x"))
     for bad in (
@@ -273,6 +276,8 @@ def test_keys_file_lines():
         "k owner=a",
         "k name=a name=b",
         "k limit",
+        "k weight=0",
+        "k weight=1.5",
     ):
         with pytest.raises(ValueError) as info:
             auth.parse_line(bad.replace("k", "s3cret", 1), "keys line 1")

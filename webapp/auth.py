@@ -10,12 +10,13 @@ key by its name, and a job belongs to the name that created it.
 The keys file holds one key per line; blank lines and lines starting with `#` are skipped:
 
     <key, or sha256:<its hex digest>> [name=<name>] [max_queued=<n>] [max_new_tokens=<n>]
-        [rpm=<n>] [tpm=<n>] [admin=true|false]
+        [rpm=<n>] [tpm=<n>] [weight=<n>] [admin=true|false]
 
 `max_queued` caps the key's waiting jobs (over all models), `max_new_tokens` the tokens one
 job may ask for; `rpm` its requests and `tpm` its tokens per minute (webapp/limits.py `admit`).
-`admin=true`: the key sees every key's usage (GET /v1/usage). A key without `name=` (every
-key of GENQ_API_KEYS) is named
+`weight` is its share of the workers' turns within a priority against the other keys with jobs
+waiting (default 1; tasks/fair.py). `admin=true`: the key sees every key's usage (GET
+/v1/usage). A key without `name=` (every key of GENQ_API_KEYS) is named
 `key-<the first 8 hex digits of its digest>`. Both sources are read once, at start.
 """
 
@@ -38,7 +39,7 @@ from webapp.errors import error_response
 OPEN_PATHS = frozenset({"/healthz", "/health", "/readyz", "/metrics", "/openapi.json"})
 NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 DIGEST = re.compile(r"sha256:([0-9a-fA-F]{64})")
-LIMITS = ("max_queued", "max_new_tokens", "rpm", "tpm")
+LIMITS = ("max_queued", "max_new_tokens", "rpm", "tpm", "weight")
 FLAGS = {"true": True, "false": False}
 
 
@@ -51,6 +52,7 @@ class ApiKey:
     rpm: int | None = None
     tpm: int | None = None
     admin: bool = False
+    weight: int = 1  # fair share's weight (tasks/fair.py)
 
 
 def digest(key: str) -> bytes:

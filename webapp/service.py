@@ -21,9 +21,10 @@ from flask import current_app
 from kombu.exceptions import KombuError
 
 from tasks import keys
-from tasks.celery_app import PRIORITY_STEPS, job_message
+from tasks.celery_app import PRIORITY_STEPS, broker_priority, job_message
 from tasks.config import Settings, queue_for
 from tasks.errors import JobError
+from tasks.fair import FairLines
 from tasks.jobs import RESULT_RAW, JobStore, QuotaExceeded
 from tasks.kombu_compat import send_sent_events
 from tasks.placement import Placement
@@ -92,6 +93,7 @@ class JobService:
         self.placement = Placement(
             client, len(PRIORITY_STEPS), settings.placement_min_chars, settings.placement_max_waiting
         )
+        self.fair = FairLines(client, len(PRIORITY_STEPS), settings.fair_depth)
         self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
         self._workers_lock = threading.Lock()
         # The Redis outage this process saw itself (tasks/registry.py): Redis's time of the
@@ -222,6 +224,10 @@ class JobService:
                 self.settings.max_queue_depth,
                 owner.max_queued if owner else None,
                 [(m.key, m.payload) for m in messages],
+                # Fair share: a key's jobs wait in a line of their own (tasks/fair.py).
+                fair=self.fair.push_args(queue, broker_priority(sched.priority), owner.name, owner.weight)
+                if owner and self.settings.fair_share
+                else None,
             )
         except QuotaExceeded as exc:
             raise APIError(

@@ -24,6 +24,7 @@ from redis.retry import Retry
 from tasks import keys, logs, redis_conn
 from tasks.celery_app import PRIORITY_STEPS, WORKER_REDIS_RETRY_S, make_celery
 from tasks.config import get_settings, queue_for
+from tasks.fair import FairLines
 from tasks.jobs import JobStore
 from tasks.kombu_compat import guard_restores
 from tasks.placement import Placement
@@ -70,6 +71,7 @@ class Heartbeat(threading.Thread):
             try:
                 now, prev = self.registry.announce(self.info)
                 self.reaper.keep_lane()
+                self.reaper.refill()
                 held = time.monotonic() - called
                 if failed or prev is None or now - prev > self.gap:
                     if prev is not None and (failed or held > self.gap):
@@ -161,6 +163,9 @@ def main() -> None:
     # Jobs whose prefix this worker's cache holds may come through a lane of its own (tasks/placement.py).
     lane = settings.placement and engine.caches_prefixes
     placement = Placement(client, len(PRIORITY_STEPS), settings.placement_min_chars, settings.placement_max_waiting)
+    # Fair share: refill the queue's lists from the keys' lines as each job is taken, and on every
+    # heartbeat (there even with fair share off: lines left from a time it was on are drained).
+    fair = FairLines(client, len(PRIORITY_STEPS), settings.fair_depth)
     WorkerTask.equip(
         engine=engine,
         store=store,
@@ -169,6 +174,7 @@ def main() -> None:
         chat=chat,
         placement=placement if lane else None,
         queue=queue,
+        fair=fair if settings.fair_share else None,
     )
     app = make_celery(settings)
     # A successful result and its job's status go to Redis in one call (tasks/backend.py).
@@ -196,7 +202,15 @@ def main() -> None:
     registry = Registry(client, settings.heartbeat_ttl)
     running = WorkerTask.running
     reaper = Reaper(
-        app, store, registry, name, queue, running=lambda: running.copy().keys(), placement=placement, lane=lane
+        app,
+        store,
+        registry,
+        name,
+        queue,
+        running=lambda: running.copy().keys(),
+        placement=placement,
+        lane=lane,
+        fair=fair,
     )
     heartbeat = Heartbeat(registry, info, settings.heartbeat_interval, reaper, settings.reconcile_interval)
     # The API's questions (/tokenize, prompt counts at submit) on threads beside Celery's: never

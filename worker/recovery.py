@@ -26,6 +26,7 @@ from kombu.utils.json import loads
 
 from tasks import keys
 from tasks.celery_app import PRIORITY_STEPS, publish_job
+from tasks.fair import FairLines
 from tasks.jobs import JobStore
 from tasks.kombu_compat import forget_unacked, priority_lists, restore_message
 from tasks.placement import Placement
@@ -46,14 +47,17 @@ class Reaper:
         running: Callable[[], Collection[str]] = tuple,
         placement: Placement | None = None,
         lane: bool = False,
+        fair: FairLines | None = None,
     ):
         """`queue`: the queue this worker consumes, whose queued jobs it reconciles;
         `running`: the ids of the jobs this process is running; `lane`: it also consumes a
-        lane of its own (tasks/placement.py), kept registered by `keep_lane`."""
+        lane of its own (tasks/placement.py), kept registered by `keep_lane`; `fair`: the
+        keys' lines of its queue (tasks/fair.py), which `refill` moves onto its lists."""
         self.app, self.store, self.registry, self.me = app, store, registry, me
         self.queue, self.running = queue, running
         self.placement = placement or Placement(store.r, len(PRIORITY_STEPS))
         self.lane = lane
+        self.fair = fair or FairLines(store.r, len(PRIORITY_STEPS), 1)  # without: only read (_held)
         self._conn = None
         # Jobs found adrift on the last reconcile pass; acted on when found so again.
         self._adrift: set[str] = set()
@@ -78,6 +82,11 @@ class Reaper:
         """On each heartbeat: this worker's lane is registered, and alive."""
         if self.lane and self.queue:
             self.placement.keep_lane(self.me, self.queue)
+
+    def refill(self) -> int:
+        """On each heartbeat: refill the queue's lists from the keys' lines, should the workers
+        that take its jobs (which refill as they do) be gone or have failed to."""
+        return self.fair.fill(self.queue) if self.queue else 0
 
     def drain_lanes(self, live: Collection[str]) -> int:
         """Give the jobs waiting in the lanes of workers not in `live` to their shared queues."""
@@ -221,7 +230,7 @@ class Reaper:
 
     def _stuck(self, queue: str, grace: float = 5.0) -> dict[str, str | None]:
         """Jobs recorded as queued on `queue` (for `grace` seconds at least) whose message is
-        in none of the queue's lists: those in `unacked` for `grace` seconds, with their tags
+        in none of the queue's lists (nor lines): those in `unacked` for `grace` seconds, with their tags
         (a worker received them and did not start them: a live one starts what it receives
         at once, as it reserves no more than it has threads), and the rest, with None (their
         message is nowhere)."""
@@ -240,7 +249,9 @@ class Reaper:
     def _held(self, queue: str) -> tuple[set[str], dict[str, tuple[str, float]]]:
         """What the broker holds for `queue`, in one atomic look: the ids of the jobs whose
         messages wait in one of its priority lists (its lanes' included), and those delivered
-        and not acknowledged (any queue's), with their delivery tags and times."""
+        and not acknowledged (any queue's), with their delivery tags and times. Messages in the
+        keys' lines (tasks/fair.py) count as in the queue: read first, as they only move on."""
+        lined = self.fair.waiting_ids(queue)
         channel = self._channel()
         lanes = [keys.lane(queue, w) for w, shared in self.placement.lanes().items() if shared == queue]
         lists = [name for q in (queue, *lanes) for name in priority_lists(channel, q, PRIORITY_STEPS)]
@@ -251,7 +262,7 @@ class Reaper:
             pipe.hgetall(channel.unacked_key)
             pipe.zrange(channel.unacked_index_key, 0, -1, withscores=True)
             *queued, unacked, index = pipe.execute()
-        listed = {_message_id(loads(raw)) for msgs in queued for raw in msgs}
+        listed = lined | {_message_id(loads(raw)) for msgs in queued for raw in msgs}
         times = {(t.decode() if isinstance(t, bytes) else t): score for t, score in index}
         held: dict[str, tuple[str, float]] = {}
         for tag, raw in unacked.items():

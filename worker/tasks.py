@@ -30,6 +30,7 @@ from celery.signals import task_postrun, task_revoked
 from tasks import keys
 from tasks.celery_app import GENERATE_TASK, TOKENIZE_TASK
 from tasks.errors import JobError, JobFailed, JobRefused
+from tasks.fair import FairLines
 from tasks.jobs import ACTIVE, Attempt, JobStore
 from tasks.placement import Placement
 from tasks.schemas import GenerationResult, JobSpec, JobStatus
@@ -65,6 +66,7 @@ class WorkerTask(Task):
     publisher: StreamPublisher | None
     chat: Chat | None
     placement: Placement | None = None
+    fair: FairLines | None = None
     queue: str = ""
     watch: CancelWatch
     # The jobs this process is running (or about to start): job id -> delivery tag.
@@ -84,12 +86,14 @@ class WorkerTask(Task):
         chat: Chat | None = None,
         placement: Placement | None = None,
         queue: str = "",
+        fair: FairLines | None = None,
     ) -> None:
         """`placement`: where this worker notes the prefixes of the jobs it runs, so that the
-        API places later jobs with those prefixes in its lane (None: it has no lane)."""
+        API places later jobs with those prefixes in its lane (None: it has no lane). `fair`:
+        the lines this worker refills its queue's lists from as it takes each job."""
         cls.engine, cls.store, cls.worker_name = engine, store, worker_name
         cls.publisher, cls.chat = publisher, chat
-        cls.placement, cls.queue = placement, queue
+        cls.placement, cls.queue, cls.fair = placement, queue, fair
         cls.watch = CancelWatch(store, engine, CANCEL_POLL_S)
         cls.running = {}
         cls.gate = Gate()
@@ -125,6 +129,16 @@ class WorkerTask(Task):
         except redis.RedisError as exc:  # a guess lost, nothing more
             log.warning("could not note job %s's prefixes for placement: %s", spec.id, exc)
 
+    def _refill(self) -> None:
+        """A message left the queue's list: refill it from the keys' lines (tasks/fair.py).
+        If this fails, the next job's or the heartbeat's refill does it."""
+        if self.fair is None:
+            return
+        try:
+            self.fair.fill(self.queue)
+        except redis.RedisError as exc:
+            log.warning("could not refill queue %s from its fair-share lines: %s", self.queue, exc)
+
     def _still_ours(self, job_id: str, attempt: int) -> bool:
         """Whether a job waiting to go into the engine should still run: neither cancelled nor
         given to another attempt meanwhile (True while Redis cannot say)."""
@@ -146,6 +160,7 @@ def register(app: Celery) -> None:
     @app.task(name=GENERATE_TASK, base=WorkerTask, bind=True)
     def generate(self: WorkerTask, job: dict) -> dict:
         spec = JobSpec.model_validate(job)
+        self._refill()
         if spec.deadline is not None and time.time() >= spec.deadline:
             self.store.expire(spec.id, allowed=ACTIVE)
             raise Ignore()
@@ -204,6 +219,7 @@ def _record_expiry(sender=None, request=None, expired=False, **_):
     """Celery dropped a job's message because its deadline had passed: it never runs. A job
     still `running` here was restored after its worker was lost; it expires as well."""
     if expired and request is not None and getattr(sender, "name", None) == GENERATE_TASK:
+        sender._refill()
         sender.store.expire(request.id, allowed=ACTIVE)
 
 

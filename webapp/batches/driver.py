@@ -320,7 +320,8 @@ class BatchDriver:
         def limit(name: str) -> int | None:
             return int(rec[name]) if rec.get(name) else None
 
-        return ApiKey(rec["owner"], b"", limit("key_max_queued"), limit("key_max_new_tokens"))
+        weight = limit("key_weight") or 1
+        return ApiKey(rec["owner"], b"", limit("key_max_queued"), limit("key_max_new_tokens"), weight=weight)
 
     # -- cancelling and the end
 

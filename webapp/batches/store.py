@@ -113,6 +113,7 @@ class BatchStore:
             **dict.fromkeys(("total", "completed", "failed", "fed", "chunk", "offset"), 0),
             "key_max_queued": "" if key is None or key.max_queued is None else key.max_queued,
             "key_max_new_tokens": "" if key is None or key.max_new_tokens is None else key.max_new_tokens,
+            "key_weight": "" if key is None else key.weight,
         }
         seq = self.r.incr(keys.BATCHES_SEQ)
         pipe = self.r.pipeline()

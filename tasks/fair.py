@@ -1,0 +1,171 @@
+"""Fair share between API keys inside one priority.
+
+kombu's Redis transport keeps a Celery queue's messages in one list per priority step, served
+first-in, first-out: one key that submits 300 jobs at once would make every other key wait
+behind all 300. With fair share on (GENQ_FAIR_SHARE), each of those lists is kept shallow:
+
+- The API (tasks/jobs.py `_CREATE`, with `PUSH_LUA`) pushes a job's message straight onto its
+  list only while that list holds fewer than GENQ_FAIR_DEPTH messages and no line of that
+  priority step is waiting. Otherwise the message goes to the end of its owner's line (a
+  Redis list per queue, step and owner: `keys.fair_line`), the owner joins the step's active
+  owners (`keys.fair_owners`, a zset) and the same call refills the list.
+- Refilling (`FILL_LUA`, one Lua call: pop from a line, push onto the list, nothing in
+  between) takes from the lines in weighted turns, by start-time fair queueing: each active
+  owner is scored with the virtual time of its next turn; the lowest score goes next (ties by
+  name), the step's clock (`keys.fair_clock`) becomes that score, and the owner's score grows
+  by 1 / its weight (`weight=` in the keys file, webapp/auth.py). An owner whose line was empty
+  joins at the clock: it goes before every owner that has had a turn since (a calm key waits
+  for about one turn, not for the flood), and one that waits all along gets its weight's share.
+- The workers refill their queue's lists as they take each job (worker/tasks.py), and on every
+  heartbeat (worker/recovery.py `Reaper.refill`), so nothing is stranded if a mover dies.
+
+Priorities come first as before: each step's list is filled on its own and the workers take
+from the lowest step that has a message. Jobs without an owner (an open API) and jobs placed
+in a worker's lane (tasks/placement.py, bounded by GENQ_PLACEMENT_MAX_WAITING) go straight to
+their list, as without fair share. A job cancelled or expired while in a line is skipped when
+its message reaches a worker, as one cancelled in the list is. Recovery counts messages in
+lines as queued (`FairLines.waiting_ids`). docs/design.md, "Fair share between keys", says why.
+"""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from tasks import keys
+from tasks.kombu_compat import queue_key
+
+# Refill `list` from the lines of the step whose active owners are `owners`, in weighted turns,
+# until it holds `depth` messages or no line waits. Returns how many messages moved.
+FILL_LUA = """
+local function fill(list, owners, weights, depth)
+  local moved = 0
+  while redis.call('LLEN', list) < depth do
+    local top = redis.call('ZRANGE', owners, 0, 0, 'WITHSCORES')
+    if #top == 0 then break end
+    local who, pass = top[1], tonumber(top[2])
+    local line = owners .. ':' .. who
+    local m = redis.call('LPOP', line)
+    if m then
+      redis.call('LPUSH', list, m)
+      redis.call('SET', owners .. '/clock', top[2])
+      moved = moved + 1
+    end
+    if redis.call('LLEN', line) == 0 then
+      redis.call('ZREM', owners, who)
+    else
+      redis.call('ZADD', owners, pass + 1 / (tonumber(redis.call('HGET', weights, who)) or 1), who)
+    end
+  end
+  return moved
+end
+"""
+
+# The mover on its own. KEYS: the weights hash. ARGV: the depth, then each step's list and
+# active owners' zset, in priority order.
+_FILL = (
+    FILL_LUA
+    + """
+local moved = 0
+for i = 2, #ARGV, 2 do moved = moved + fill(ARGV[i], ARGV[i + 1], KEYS[1], tonumber(ARGV[1])) end
+return moved
+"""
+)
+
+# The `push` tasks/jobs.py's _CREATE calls for each message it records, with fair share: it
+# takes the last 3 KEYS (the step's shared list, its active owners, the weights hash) and the
+# last 3 ARGV (depth, owner, weight). A message for another list (a worker's lane) is pushed
+# as it is without fair share.
+PUSH_LUA = (
+    FILL_LUA
+    + """
+local PUSH_KEYS = 3
+local F_LIST, F_OWNERS, F_WEIGHTS = KEYS[#KEYS - 2], KEYS[#KEYS - 1], KEYS[#KEYS]
+local F_DEPTH, F_OWNER, F_WEIGHT = tonumber(ARGV[#ARGV - 2]), ARGV[#ARGV - 1], ARGV[#ARGV]
+local function push(k, v)
+  if k ~= F_LIST or (redis.call('ZCARD', F_OWNERS) == 0 and redis.call('LLEN', k) < F_DEPTH) then
+    redis.call('LPUSH', k, v)
+    return
+  end
+  redis.call('RPUSH', F_OWNERS .. ':' .. F_OWNER, v)
+  redis.call('HSET', F_WEIGHTS, F_OWNER, F_WEIGHT)
+  if not redis.call('ZSCORE', F_OWNERS, F_OWNER) then
+    redis.call('ZADD', F_OWNERS, redis.call('GET', F_OWNERS .. '/clock') or '0', F_OWNER)
+  end
+  fill(F_LIST, F_OWNERS, F_WEIGHTS, F_DEPTH)
+end
+"""
+)
+
+# Without fair share: every message straight onto its list.
+PLAIN_PUSH_LUA = """
+local PUSH_KEYS = 0
+local function push(k, v) redis.call('LPUSH', k, v) end
+"""
+
+
+def turns(weights: dict[str, int], backlog: dict[str, int], clock: float = 0.0) -> list[str]:
+    """The order in which `FILL_LUA` serves owners whose lines hold `backlog` messages, all
+    joining at `clock`: what it does, in Python (tests/test_fair.py holds the two together)."""
+    score = {o: clock for o, n in backlog.items() if n > 0}
+    left = dict(backlog)
+    order: list[str] = []
+    while score:
+        who = min(score, key=lambda o: (score[o], o))
+        order.append(who)
+        left[who] -= 1
+        if left[who]:
+            score[who] += 1 / weights.get(who, 1)
+        else:
+            del score[who]
+    return order
+
+
+class FairLines:
+    """The lines of one Redis: `steps` kombu priority steps, lists kept to `depth` messages."""
+
+    def __init__(self, client: redis.Redis, steps: int, depth: int):
+        self.r, self.steps, self.depth = client, steps, depth
+        self._fill = client.register_script(_FILL)
+
+    def push_args(self, queue: str, step: int, owner: str, weight: int) -> tuple[list[str], list]:
+        """The KEYS and ARGV that `PUSH_LUA` takes from the end of _CREATE's, for jobs of
+        `owner` at priority `step` on `queue`."""
+        return [queue_key(queue, step), keys.fair_owners(queue, step), keys.FAIR_WEIGHTS], [self.depth, owner, weight]
+
+    def fill(self, queue: str) -> int:
+        """Refill every priority step's list of `queue` from its lines; how many moved."""
+        args: list = [self.depth]
+        for step in range(self.steps):
+            args += [queue_key(queue, step), keys.fair_owners(queue, step)]
+        return int(self._fill(keys=[keys.FAIR_WEIGHTS], args=args))
+
+    def waiting_ids(self, queue: str) -> set[str]:
+        """The ids of the jobs whose messages wait in `queue`'s lines. Messages only leave a
+        line (onto a list), so one read before a look at the lists misses none of them."""
+        pipe = self.r.pipeline(transaction=False)
+        for step in range(self.steps):
+            pipe.zrange(keys.fair_owners(queue, step), 0, -1)
+        owners = pipe.execute()
+        for step, names in enumerate(owners):
+            for name in names:
+                pipe.lrange(keys.fair_line(queue, step, _text(name)), 0, -1)
+        return {(json.loads(raw).get("headers") or {}).get("id", "") for msgs in pipe.execute() for raw in msgs}
+
+    def waiting(self, queue: str) -> dict[str, int]:
+        """How many messages wait in each owner's lines of `queue` (over all steps)."""
+        pipe = self.r.pipeline(transaction=False)
+        for step in range(self.steps):
+            pipe.zrange(keys.fair_owners(queue, step), 0, -1)
+        found = [(step, _text(n)) for step, names in enumerate(pipe.execute()) for n in names]
+        for step, name in found:
+            pipe.llen(keys.fair_line(queue, step, name))
+        counts: dict[str, int] = {}
+        for (_, name), n in zip(found, pipe.execute(), strict=True):
+            counts[name] = counts.get(name, 0) + int(n)
+        return counts
+
+
+def _text(v: str | bytes) -> str:
+    return v.decode() if isinstance(v, bytes) else v

@@ -1,0 +1,25 @@
+"""`python -m bench.fair`: both modes (fair share on, off) end to end on the tiny checkpoint,
+briefly, only to show that the harness runs and tells the modes apart; docs/benchmarks.md has
+the full run's figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import run_bench
+
+pytestmark = pytest.mark.tooling  # the project's tooling, not the product: `make test-core` skips it
+
+
+def test_bench_fair_quick_run(tiny_model, tmp_path):
+    out = tmp_path / "fair.json"
+    argv = ["--flood", "24", "--calm", "3", "--warm", "8", "--pace", "0", "--max-tokens", "8", "--out", str(out)]
+    rc, stdout, err = run_bench("bench.fair", *argv, timeout=300)
+    assert rc == 0, f"exit {rc}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{err[-5000:]}"
+    on, off = json.loads(out.read_text())["results"]
+    assert on["fair_share"] and not off["fair_share"]
+    # First in, first out: every calm job starts after the flood's last; fair share: before it.
+    assert on["calm_started_before_flood_last"] == 3 and off["calm_started_before_flood_last"] == 0
+    assert "| on |" in stdout and "| off |" in stdout
