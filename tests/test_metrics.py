@@ -159,6 +159,10 @@ def test_worker_counts_add_up(metered, outcome):
     assert summed("genq:inter_token_latency_seconds_count") == STREAMED * (TOKENS - 1)
     assert summed("genq:batch_size_count") >= TOKENS
     assert summed("genq:num_requests_running") == 0
+    # The prefix cache's counts, under vLLM's names too (the hf worker; the echo one has none).
+    queries = summed("genq:prefix_cache_queries_total")
+    assert queries > 0 and summed("vllm:prefix_cache_queries_total") == queries
+    assert summed("vllm:prefix_cache_hits_total") == summed("genq:prefix_cache_hits_total")
     # The slowest path a job can take is below its end-to-end latency.
     e2e = summed("genq:e2e_request_latency_seconds_sum")
     assert summed("genq:request_queue_time_seconds_sum") + summed(

@@ -200,6 +200,16 @@ class WorkerMetrics:
         self.prefix_hits = counter(
             "genq:prefix_cache_hits", "Of those, the tokens whose keys/values the prefix cache held (hf engine)."
         )
+        # The same counts under vLLM's names, so that a dashboard made for vLLM's prefix cache
+        # reads an hf worker's too (a vLLM worker's own engine exports its own).
+        self.vllm_prefix = (
+            (
+                counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (as vLLM's)."),
+                counter("vllm:prefix_cache_hits", "Of those, the tokens found in the prefix cache (as vLLM's)."),
+            )
+            if engine == "hf"
+            else None
+        )
         Gauge(
             "genq:engine_device_info",
             "1, labelled with where this worker's engine runs the model (cpu, cuda:N).",
@@ -356,3 +366,6 @@ def prefix_cache(queries: int, hits: int) -> None:
     if m is not None and queries:
         m.prefix_queries.inc(queries)
         m.prefix_hits.inc(hits)
+        if m.vllm_prefix is not None:
+            m.vllm_prefix[0].inc(queries)
+            m.vllm_prefix[1].inc(hits)
