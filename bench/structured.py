@@ -4,6 +4,9 @@ vocabulary widths; the configurations' steps alternate, each figure the median o
 Findings and method: docs/benchmarks.md, "structured output's cost per decode step"::
 
     .venv/bin/python -m bench.structured [--rounds 7] [--steps 50]
+
+`--tools`: the schema of `tool_choice: "required"` over bench/tools.py's two tools, with
+SmolLM2-135M-Instruct's tokenizer and vocabulary (scripts/realmodel.py) instead.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ FIELDS |= {"color": {"enum": ["red", "green", "blue"]}, "name": {"type": "string
 SCHEMA = {"type": "object", "properties": FIELDS, "required": list(FIELDS), "additionalProperties": False}
 
 
-def batch(tok, vocab: int, constrained: int) -> tuple[list[SamplingParams], RowProcessors | None]:
-    so = StructuredOutput(json_schema=json.dumps(SCHEMA))
+def batch(tok, vocab: int, constrained: int, schema=SCHEMA) -> tuple[list[SamplingParams], RowProcessors | None]:
+    so = StructuredOutput(json_schema=json.dumps(schema))
     params = [
         SamplingParams(temperature=1.0, seed=i, structured_outputs=so if i < constrained else None) for i in range(ROWS)
     ]
@@ -50,14 +53,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--tools", action="store_true", help="the required tool call's schema, SmolLM2's vocabulary")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from scripts import devmodels
+    from scripts import devmodels, realmodel
 
-    tok = AutoTokenizer.from_pretrained(devmodels.ensure("tiny", stack.TINY_MODEL_DIR))
+    schema, vocabs = SCHEMA, (4096, 50272)
+    if args.tools:
+        from bench.tools import TOOLS
+        from webapp.protocol.tools import Tool, required_schema
+
+        schema = required_schema([Tool.model_validate(t) for t in TOOLS], parallel=False)
+        path = realmodel.ensure()
+        tok, vocabs = (
+            AutoTokenizer.from_pretrained(path),
+            (json.loads((path / "config.json").read_text())["vocab_size"],),
+        )
+    else:
+        tok = AutoTokenizer.from_pretrained(devmodels.ensure("tiny", stack.TINY_MODEL_DIR))
     print(f"rows={ROWS} steps/round={args.steps} rounds={args.rounds} torch threads=1")
-    for vocab in (4096, 50272):
-        configs = {k: batch(tok, vocab, k) for k in (0, 1, 8, 32)}
+    for vocab in vocabs:
+        configs = {k: batch(tok, vocab, k, schema) for k in (0, 1, 8, 32)}
         gens = [torch.Generator().manual_seed(i) for i in range(ROWS)]
         logits = torch.randn(ROWS, vocab)
         times: dict[int, list[float]] = {k: [] for k in configs}
