@@ -207,7 +207,7 @@ class WorkerMetrics:
                 counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (as vLLM's)."),
                 counter("vllm:prefix_cache_hits", "Of those, the tokens found in the prefix cache (as vLLM's)."),
             )
-            if engine == "hf"
+            if self.kind == "hf"
             else None
         )
         Gauge(
