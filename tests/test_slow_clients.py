@@ -118,3 +118,32 @@ def test_slow_bodies_neither_hold_the_api_nor_reach_a_route(guarded):
     codes = {code for _, code in results}
     assert codes == {"too_many_bodies", "body_timeout"}, results
     assert all((st, code) in ((429, "too_many_bodies"), (408, "body_timeout")) for st, code in results)
+
+
+def test_blocking_requests_waiting_for_their_jobs_hold_no_body(guarded):
+    """Twice GENQ_MAX_BODIES_PER_CLIENT blocking completions at once from one address and key
+    (a proxy's many clients look so): their bodies arrived, they wait for their jobs (a sim
+    worker: about a second each), and none is refused."""
+    import requests
+
+    sim = guarded.name + "-sim"
+    guarded.start_worker(GENQ_ENGINE="sim", GENQ_MODEL_NAME=sim, GENQ_SIM_STEP_MS="40")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": sim, "prompt": "a b c", "max_tokens": 24}
+    stack_wait = time.monotonic() + 60
+    while requests.post(guarded.base + "/v1/completions", json=body, headers=auth, timeout=60).status_code != 200:
+        assert time.monotonic() < stack_wait, "the sim worker did not come up"
+        time.sleep(0.5)
+    statuses: list[int] = []
+
+    def one() -> None:
+        statuses.append(
+            requests.post(guarded.base + "/v1/completions", json=body, headers=auth, timeout=120).status_code
+        )
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert statuses == [200] * 8

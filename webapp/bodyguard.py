@@ -26,22 +26,29 @@ MIN_BODY_RATE = 1 << 20
 
 
 class _Body:
-    """`wsgi.input` read under a deadline for the whole body, and checked for its length."""
+    """`wsgi.input` read under a deadline for the whole body (none: `deadline` None), and
+    checked for its length; `arrived()` is called once, when the whole body is in."""
 
-    def __init__(self, stream, deadline: float, length: int | None):
+    def __init__(self, stream, deadline: float | None, length: int | None, arrived):
         self.stream, self.deadline, self.length, self.got = stream, deadline, length, 0
+        self.arrived = arrived
 
     def _call(self, method, *args):
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise BodyTimeout()
-        with gevent.Timeout(left, BodyTimeout):
+        if self.deadline is None:
             data = method(*args)
+        else:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise BodyTimeout()
+            with gevent.Timeout(left, BodyTimeout):
+                data = method(*args)
+            self.deadline += len(data) / MIN_BODY_RATE
         self.got += len(data)
-        self.deadline += len(data) / MIN_BODY_RATE
         wanted = args[0] if args and args[0] is not None and args[0] >= 0 else None
         if self.length is not None and self.got < self.length and not data and wanted != 0:
             raise BodyCutShort(f"{self.got} of its {self.length} bytes arrived")
+        if (self.length is not None and self.got >= self.length) or (not data and wanted != 0):
+            self.arrived()
         return data
 
     def read(self, size=-1):
@@ -84,20 +91,28 @@ class BodyGuard:
             )
         for c in clients:
             self.reading[c] += 1
+        held = [True]
+
+        def arrived() -> None:
+            """The body is in: the client no longer holds one of its bodies in flight (a
+            blocking request that then waits for its jobs counts no more)."""
+            if held[0]:
+                held[0] = False
+                for c in clients:
+                    self.reading[c] -= 1
+                    if not self.reading[c]:
+                        del self.reading[c]
+
         try:
             size = None if chunked else int(length)
         except ValueError:
             size = None
-        if self.timeout:
-            deadline = time.monotonic() + self.timeout
-            environ["wsgi.input"] = _Body(environ["wsgi.input"], deadline, size)
+        deadline = time.monotonic() + self.timeout if self.timeout else None
+        environ["wsgi.input"] = _Body(environ["wsgi.input"], deadline, size, arrived)
         try:
             return self.app(environ, start_response)
         finally:
-            for c in clients:
-                self.reading[c] -= 1
-                if not self.reading[c]:
-                    del self.reading[c]
+            arrived()
 
 
 def _refuse(start_response, status: int, code: str, message: str, headers=()) -> list[bytes]:
