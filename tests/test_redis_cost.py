@@ -3,11 +3,14 @@ worker and everything they run beside the jobs (heartbeats, idle polls, the canc
 Redis of their own, whose `INFO commandstats` (every command, those Lua scripts run included)
 is read before and after a batch of blocking `/basic_generate` jobs. A regression guard: the
 count per job must stay at or below what docs/benchmarks.md ("Redis commands per job")
-records. Run with `-s` to see the breakdown per command.
+records, plus what the stack sends per second while idle (heartbeats, sweeps, BRPOP
+timeouts), measured first, over the batch's duration: a slow, loaded machine spreads those
+over fewer jobs a second. Run with `-s` to see the breakdown per command.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,8 +20,10 @@ from scripts import stack as stackmod
 
 JOBS = 120
 CLIENTS = 4
-# The most Redis commands one blocking job may cost, all clients counted (docs/benchmarks.md).
-MAX_COMMANDS_PER_JOB = 60
+IDLE_S = 3.0
+# The most Redis commands one blocking job may cost, all clients counted (docs/benchmarks.md:
+# 30.2 measured, 53.5 before issue 34, item 5).
+MAX_COMMANDS_PER_JOB = 31
 
 
 def commandstats(r: redis.Redis) -> dict[str, int]:
@@ -56,21 +61,32 @@ def run_jobs(s, n: int) -> None:
         list(pool.map(one, range(n)))
 
 
-def per_job(costed) -> tuple[float, dict[str, float]]:
-    run_jobs(costed, 2 * CLIENTS)  # warm up: scripts loaded, connections open
-    before = commandstats(costed.redis)
-    run_jobs(costed, JOBS)
-    after = commandstats(costed.redis)
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     calls = {k: n - before.get(k, 0) for k, n in after.items()}
-    calls.pop("info", None)  # this test's own look
-    breakdown = {k: n / JOBS for k, n in sorted(calls.items(), key=lambda kv: -kv[1]) if n > 0}
-    return sum(breakdown.values()), breakdown
+    calls.pop("info", None)  # this test's own looks
+    return {k: n for k, n in sorted(calls.items(), key=lambda kv: -kv[1]) if n > 0}
+
+
+def per_job(costed) -> tuple[float, dict[str, float], float]:
+    """Commands per job with their breakdown, and the commands per second of the idle stack."""
+    run_jobs(costed, 2 * CLIENTS)  # warm up: scripts loaded, connections open
+    idle = commandstats(costed.redis)
+    time.sleep(IDLE_S)
+    before = commandstats(costed.redis)
+    idle_rate = sum(delta(idle, before).values()) / IDLE_S
+    start = time.monotonic()
+    run_jobs(costed, JOBS)
+    took = time.monotonic() - start
+    after = commandstats(costed.redis)
+    breakdown = {k: n / JOBS for k, n in delta(before, after).items()}
+    return sum(breakdown.values()), breakdown, idle_rate * took / JOBS
 
 
 def test_redis_commands_per_blocking_job(costed):
-    total, breakdown = per_job(costed)
+    total, breakdown, background = per_job(costed)
     print(f"\n{total:.1f} Redis commands per job: " + ", ".join(f"`{k}` {v:.2f}" for k, v in breakdown.items()))
-    assert total <= MAX_COMMANDS_PER_JOB, (total, breakdown)
+    print(f"of which an idle stack's, per job over the batch's duration: {background:.2f}")
+    assert total <= MAX_COMMANDS_PER_JOB + background, (total, background, breakdown)
     # What every job needs, whoever sends it: its record written, started and finished in Lua
     # (one call each), its message pushed and popped, its done stream.
     assert breakdown.get("evalsha", 0) >= 3 and breakdown.get("brpop", 0) >= 1 and breakdown.get("xadd", 0) >= 1
