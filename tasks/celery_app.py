@@ -28,10 +28,11 @@ TOKENIZE_TASK = "genq.tokenize"
 
 
 # kombu's Redis channel reuses one client per pool; through Redis Sentinel, a closed broker
-# channel can still reach the master (tasks/kombu_compat.py).
+# channel can still reach the master; its `unacked` writes skip MULTI/EXEC (tasks/kombu_compat.py).
 kombu_compat.reuse_channel_clients()
 kombu_compat.remember_sentinels()
 kombu_compat.unlane_restores()
+kombu_compat.lean_acks()
 
 PRIORITY_STEPS = list(range(PRIORITY_MAX - PRIORITY_MIN + 1))
 

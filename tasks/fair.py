@@ -63,10 +63,14 @@ end
 """
 
 # The mover on its own. KEYS: the weights hash. ARGV: the depth, then each step's list and
-# active owners' zset, in priority order.
+# active owners' zset, in priority order. A zset with no owner left is no key: one EXISTS says
+# whether any line waits (a worker refills after every job it takes, mostly with none waiting).
 _FILL = (
     FILL_LUA
     + """
+local active = {}
+for i = 3, #ARGV, 2 do active[#active + 1] = ARGV[i] end
+if redis.call('EXISTS', unpack(active)) == 0 then return 0 end
 local moved = 0
 for i = 2, #ARGV, 2 do moved = moved + fill(ARGV[i], ARGV[i + 1], KEYS[1], tonumber(ARGV[1])) end
 return moved

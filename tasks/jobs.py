@@ -35,40 +35,40 @@ from tasks.usage import COUNT, NONE, Counts, count_args
 # worker_lost). Attempts its worker was lost on beside other jobs are `forgiven`
 # (worker/recovery.py): they do not count against the maximum. A job with a `callback_url`
 # that reaches a final status is due for its callback in the same call (webapp/callbacks.py).
+# Each script that moves a job starts with RECORD (the fields it needs, in one HMGET) and
+# changes the record in one HSET (docs/benchmarks.md, "Redis commands per job").
+RECORD = """
+local cur, raw_attempts, raw_forgiven, id, worker, queue, owner, model, callback_url = unpack(redis.call('HMGET',
+  KEYS[1], 'status', 'attempts', 'forgiven', 'id', 'worker', 'queue', 'owner', 'model', 'callback_url'))
+"""
 _TRANSITION = """
-local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return false end
-local allowed = false
-for s in string.gmatch(ARGV[2], '[^,]+') do
-  if s == cur then allowed = true end
-end
-local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
-local forgiven = tonumber(redis.call('HGET', KEYS[1], 'forgiven') or '0')
+local allowed = string.find(',' .. ARGV[2] .. ',', ',' .. cur .. ',', 1, true) ~= nil
+local attempts, forgiven = tonumber(raw_attempts or '0'), tonumber(raw_forgiven or '0')
 if not allowed then return {0, cur, attempts, forgiven} end
 if ARGV[5] ~= '' and tonumber(ARGV[5]) ~= attempts then return {0, cur, attempts, forgiven} end
-local id = redis.call('HGET', KEYS[1], 'id')
-local worker = redis.call('HGET', KEYS[1], 'worker')
 local to, ttl, moved = ARGV[1], ARGV[3], 1
+local set = {'status', to}
 if ARGV[4] == '1' and cur == 'running' and attempts - forgiven >= tonumber(ARGV[8]) then
   to, ttl, moved = 'failed', ARGV[9], 2
-  redis.call('HSET', KEYS[1], 'error', ARGV[10], 'finished', ARGV[11])
+  set = {'status', to, 'error', ARGV[10], 'finished', ARGV[11]}
 end
 if cur == 'queued' then
-  redis.call('ZREM', ARGV[12] .. redis.call('HGET', KEYS[1], 'queue'), id)
-  local owner = redis.call('HGET', KEYS[1], 'owner')
+  redis.call('ZREM', ARGV[12] .. queue, id)
   if owner and owner ~= '' then redis.call('ZREM', ARGV[13] .. owner, id) end
 end
 if worker then redis.call('HDEL', ARGV[14] .. worker, id) end
-redis.call('HSET', KEYS[1], 'status', to)
-if moved == 1 and #ARGV > 14 then redis.call('HSET', KEYS[1], unpack(ARGV, 15)) end
 if moved == 1 and ARGV[4] == '1' then
-  attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-  redis.call('HSET', KEYS[1], 'worker', ARGV[6], 'tag', ARGV[7])
+  attempts = attempts + 1
+  set = {'status', to, 'attempts', tostring(attempts), 'worker', ARGV[6], 'tag', ARGV[7]}
+end
+if moved == 1 then for i = 15, #ARGV do set[#set + 1] = ARGV[i] end end
+redis.call('HSET', KEYS[1], unpack(set))
+if moved == 1 and ARGV[4] == '1' then
   redis.call('HSET', ARGV[14] .. ARGV[6], id, ARGV[7])
   if attempts > 1 and redis.call('EXISTS', KEYS[3]) == 1 then
-    -- A new attempt's tokens replace the last one's; readers learn so from the marker.
-    -- Trimmed, not deleted: the stream keeps its last entry id, so the marker's id is
-    -- above every id a reader holds as its cursor.
+    -- A new attempt's tokens replace the last one's; readers learn so from the marker. Trimmed,
+    -- not deleted: the stream keeps its last id, so the marker's is above every reader's cursor.
     redis.call('XTRIM', KEYS[3], 'MAXLEN', 0)
     redis.call('XADD', KEYS[3], '*', 'restart', attempts)
     redis.call('EXPIRE', KEYS[3], ARGV[9])
@@ -77,8 +77,7 @@ end
 if ttl ~= '' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'status', to)
   redis.call('EXPIRE', KEYS[2], ttl)
-  local cb = redis.call('HGET', KEYS[1], 'callback_url')
-  if cb and cb ~= '' then redis.call('ZADD', KEYS[4], 'NX', ARGV[11], 'job:' .. id) end
+  if callback_url and callback_url ~= '' then redis.call('ZADD', KEYS[4], 'NX', ARGV[11], 'job:' .. id) end
 end
 return {moved, cur, attempts, forgiven}
 """
@@ -95,10 +94,8 @@ _SUCCEED = (
     """
 local ex = table.remove(ARGV)
 local value = table.remove(ARGV)
-if redis.call('HGET', KEYS[1], 'attempts') == ARGV[5] then
-  if ex == '0' then redis.call('SET', KEYS[5], value)
-  else redis.call('SET', KEYS[5], value, 'EX', ex) end
-end
+if raw_attempts == ARGV[5] and ex == '0' then redis.call('SET', KEYS[5], value)
+elseif raw_attempts == ARGV[5] then redis.call('SET', KEYS[5], value, 'EX', ex) end
 """
     + _TRANSITION
 )
@@ -143,12 +140,10 @@ return {depth, owned, 0}
 
 ACTIVE = (JobStatus.queued, JobStatus.running)
 
-# Where `JobStore.get(..., result_key=...)` puts the raw value of the job's result key: not a
-# field of the record (decode_record ignores it).
+# Where `JobStore.get(..., result_key=...)` puts the result key's raw value (not a field).
 RESULT_RAW = "\0result-raw"
 Raw = str | bytes
 MAX_BLOCK_S = 3.0
-
 
 # Marks the attempt of a job that runs alone on its worker, once it is in the engine: a worker
 # lost then was lost to it. KEYS: the record. ARGV: the attempt (only while it is the current).
@@ -165,15 +160,13 @@ class JobStore:
     def __init__(self, client: redis.Redis, ttl: int, max_attempts: int = 3, blocking: redis.Redis | None = None):
         """`blocking`: the client for blocking reads (its socket timeout above MAX_BLOCK_S),
         where `client`'s is shorter (the API's); `client` by default."""
-        self.r = client
-        self.blocking = blocking or client
-        self.ttl = ttl
-        self.max_attempts = max_attempts
-        self._transition = client.register_script(_TRANSITION)
+        self.r, self.blocking = client, blocking or client
+        self.ttl, self.max_attempts = ttl, max_attempts
+        self._transition = client.register_script(RECORD + _TRANSITION)
         self._create = client.register_script(PLAIN_PUSH_LUA + _CREATE)
         self._create_fair = client.register_script(PUSH_LUA + _CREATE)
-        self._succeed = client.register_script(COUNT + _SUCCEED)
-        self._counted = client.register_script(COUNT + _TRANSITION)  # counts tokens (tasks/usage.py)
+        self._succeed = client.register_script(RECORD + COUNT + _SUCCEED)
+        self._counted = client.register_script(RECORD + COUNT + _TRANSITION)  # counts tokens (tasks/usage.py)
         self._solo = client.register_script(_SOLO)
 
     def create(

@@ -13,6 +13,8 @@
   pushes it in the Lua call that records the job (tasks/celery_app.py `job_message`).
 - `unlane_restores`: `Channel._do_restore_message`, every restore's way back to a queue: a
   message restored from a worker's lane goes to the shared queue (tasks/placement.py).
+- `lean_acks`: `QoS.append` and `QoS.ack`, the `unacked` writes of every job received and
+  acknowledged, without MULTI/EXEC around them.
 - `priority_lists`, `forget_unacked`, `restore_message`: the channel's private
   `_q_for_pri`, `QoS._remove_from_indices` and `_do_restore_message`, for worker/recovery.py.
 """
@@ -198,6 +200,43 @@ def unlane_restores() -> None:
 
     kombu_redis.Channel._do_restore_message = _do_restore_message
     kombu_redis.Channel._genq_unlanes = True
+
+
+def lean_acks() -> None:
+    """kombu's Redis QoS writes each received message into `unacked` (ZADD to its index, HSET
+    of the message) and takes it out on ack (ZREM, HDEL), each pair in MULTI/EXEC: four of a
+    job's Redis commands (docs/benchmarks.md, "Redis commands per job"). The pairs go in one
+    plain pipeline now, in an order whose halves are harmless: the index entry first on
+    receipt and the message first on ack, so a reader between the two (a restore, recovery's
+    `_held`) sees an index entry without its message, which it drops, as it would the entry of
+    a message being acknowledged, and never a message without its index entry, which the
+    visibility timeout would not restore. No restore takes a message received less than the
+    visibility timeout ago, and kombu's `restore_by_tag` WATCHes `unacked` (an ack between
+    its read and its write makes it read again)."""
+    qos = kombu_redis.QoS
+    if getattr(qos, "_genq_lean_acks", False):
+        return
+
+    def append(self, message, delivery_tag):
+        delivery = message.delivery_info
+        raw = kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        with self.channel.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
+            pipe.hset(self.unacked_key, delivery_tag, raw)
+            pipe.execute()
+        kombu_redis.virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag):
+        with self.channel.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            pipe.hdel(self.unacked_key, delivery_tag)
+            pipe.zrem(self.unacked_index_key, delivery_tag)
+            pipe.execute()
+        kombu_redis.virtual.QoS.ack(self, delivery_tag)
+
+    qos.append, qos.ack = append, ack
+    qos._genq_lean_acks = True
 
 
 # -- the channel's internals worker/recovery.py restores messages with -----------------------

@@ -31,8 +31,9 @@ RPM, TPM = "rpm", "tpm"
 Counts = tuple[int, int, int]
 NONE: Counts = (0, 0, 0)
 
-# A prefix to tasks/jobs.py's _TRANSITION (or _SUCCEED, itself a prefix to it): counts a job's
-# tokens when that call will move the job, i.e. its status is one of ARGV[2] and, with a
+# A prefix to tasks/jobs.py's _TRANSITION (or _SUCCEED, itself a prefix to it), after its
+# RECORD (the record's fields, read once: `cur`, `raw_attempts`, `owner`, `model`): counts a
+# job's tokens when that call will move the job, i.e. its status is one of ARGV[2] and, with a
 # fence (ARGV[5]), the fence is its current attempt (ARGV[4] is '0': no attempt starts). It
 # takes its own arguments off the end of ARGV first: the counts ("<prompt> <completion>
 # <cached>") and the prefix of the owners' token windows (keys.rate). KEYS[#KEYS]: the usage
@@ -40,23 +41,22 @@ NONE: Counts = (0, 0, 0)
 COUNT = """
 local tpm_prefix = table.remove(ARGV)
 local counts = table.remove(ARGV)
-local cur = redis.call('HGET', KEYS[1], 'status')
 local ok = false
 for s in string.gmatch(ARGV[2], '[^,]+') do
   if s == cur then ok = true end
 end
-if ok and ARGV[5] ~= '' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[5] then ok = false end
+if ok and ARGV[5] ~= '' and raw_attempts ~= ARGV[5] then ok = false end
 if ok then
-  local owner = redis.call('HGET', KEYS[1], 'owner') or ''
-  local base = owner .. '\\t' .. (redis.call('HGET', KEYS[1], 'model') or '') .. '\\t'
+  local who = owner or ''
+  local base = who .. '\\t' .. (model or '') .. '\\t'
   local p, c, k = string.match(counts, '^(%d+) (%d+) (%d+)$')
   p, c, k = tonumber(p), tonumber(c), tonumber(k)
   redis.call('HINCRBY', KEYS[#KEYS], base .. 'jobs', 1)
   redis.call('HINCRBY', KEYS[#KEYS], base .. 'prompt_tokens', p)
   redis.call('HINCRBY', KEYS[#KEYS], base .. 'completion_tokens', c)
   if k > 0 then redis.call('HINCRBY', KEYS[#KEYS], base .. 'cached_tokens', k) end
-  if owner ~= '' and p + c > 0 then
-    local w = tpm_prefix .. owner
+  if who ~= '' and p + c > 0 then
+    local w = tpm_prefix .. who
     redis.call('HINCRBY', w, redis.call('TIME')[1], p + c)
     redis.call('EXPIRE', w, WINDOW_EXPIRY_S)
   end

@@ -1,0 +1,92 @@
+"""Redis commands per blocking job, counted on a real stack (issue 34, item 5): the API, an echo
+worker and everything they run beside the jobs (heartbeats, idle polls, the cancel watch) on a
+Redis of their own, whose `INFO commandstats` (every command, those Lua scripts run included)
+is read before and after a batch of blocking `/basic_generate` jobs. A regression guard: the
+count per job must stay at or below what docs/benchmarks.md ("Redis commands per job")
+records, plus what the stack sends per second while idle (heartbeats, sweeps, BRPOP
+timeouts), measured first, over the batch's duration: a slow, loaded machine spreads those
+over fewer jobs a second. Run with `-s` to see the breakdown per command.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from scripts import stack as stackmod
+
+JOBS = 120
+CLIENTS = 4
+IDLE_S = 3.0
+# The most Redis commands one blocking job may cost, all clients counted (docs/benchmarks.md:
+# 32.3 measured, 73.1 before issue 34, item 5).
+MAX_COMMANDS_PER_JOB = 33
+
+
+def commandstats(r: redis.Redis) -> dict[str, int]:
+    return {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
+
+
+@pytest.fixture(scope="module")
+def costed(tiny_model, stack_logs):
+    """An echo stack on a Redis of its own, with the default heartbeat: nothing else's commands
+    are counted."""
+    from conftest import Stacks
+
+    db = stackmod.PrivateRedis()
+    stacks = Stacks(db.url, tiny_model, stack_logs)
+    try:
+        s = stacks(GENQ_ENGINE="echo", GENQ_HEARTBEAT_INTERVAL="2", GENQ_HEARTBEAT_TTL="10")
+        s.start_api()
+        s.start_worker()
+        s.wait_ready()
+        s.redis = redis.Redis.from_url(db.url, decode_responses=True)
+        yield s
+        s.redis.close()
+    finally:
+        stacks.stop()
+        db.stop()
+
+
+def run_jobs(s, n: int) -> None:
+    def one(i: int) -> None:
+        resp = s.post("/basic_generate", json={"prompt": f"count {i}", "max_new_tokens": 8})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["generated_text"]
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        list(pool.map(one, range(n)))
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    calls = {k: n - before.get(k, 0) for k, n in after.items()}
+    calls.pop("info", None)  # this test's own looks
+    return {k: n for k, n in sorted(calls.items(), key=lambda kv: -kv[1]) if n > 0}
+
+
+def per_job(costed) -> tuple[float, dict[str, float], float]:
+    """Commands per job with their breakdown, and the commands per second of the idle stack."""
+    run_jobs(costed, 2 * CLIENTS)  # warm up: scripts loaded, connections open
+    idle = commandstats(costed.redis)
+    time.sleep(IDLE_S)
+    before = commandstats(costed.redis)
+    idle_rate = sum(delta(idle, before).values()) / IDLE_S
+    start = time.monotonic()
+    run_jobs(costed, JOBS)
+    took = time.monotonic() - start
+    after = commandstats(costed.redis)
+    breakdown = {k: n / JOBS for k, n in delta(before, after).items()}
+    return sum(breakdown.values()), breakdown, idle_rate * took / JOBS
+
+
+def test_redis_commands_per_blocking_job(costed):
+    total, breakdown, background = per_job(costed)
+    print(f"\n{total:.1f} Redis commands per job: " + ", ".join(f"`{k}` {v:.2f}" for k, v in breakdown.items()))
+    print(f"of which an idle stack's, per job over the batch's duration: {background:.2f}")
+    assert total <= MAX_COMMANDS_PER_JOB + background, (total, background, breakdown)
+    # What every job needs, whoever sends it: its record written, started and finished in Lua
+    # (one call each), its message pushed and popped, its done stream.
+    assert breakdown.get("evalsha", 0) >= 3 and breakdown.get("brpop", 0) >= 1 and breakdown.get("xadd", 0) >= 1
