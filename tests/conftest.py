@@ -7,6 +7,7 @@ fails if any child process is still alive at the end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -134,6 +135,25 @@ class Stacks:
     def stop(self) -> None:
         for s in reversed(self.stacks):
             s.stop()
+
+
+@contextlib.contextmanager
+def private_stack(model: Path, logs: Path, **env: str):
+    """One API and one worker on a Redis of their own, started and ready, stopped on exit: for
+    settings that every API process on a Redis must share (another stack's API, on the shared
+    Redis, would drive this one's batches and callbacks with its own)."""
+    db = stack.PrivateRedis()
+    stacks = Stacks(db.url, model, logs)
+    try:
+        s = stacks(**env)
+        s.redis_url = db.url
+        s.start_api()
+        s.start_worker()
+        s.wait_ready()
+        yield s
+    finally:
+        stacks.stop()
+        db.stop()
 
 
 @pytest.fixture(scope="session")

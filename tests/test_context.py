@@ -465,22 +465,14 @@ def test_a_template_with_a_constant_overhead_gets_one(tiny_tok):
 def cstack(tiny_model, stack_logs):
     """A stack on a Redis of its own: the counts below must not see other modules' stacks (on
     a shared Redis another stack's API may drive this stack's batch)."""
-    from conftest import Stacks
+    from conftest import private_stack
 
     from scripts import stack as stackmod
 
-    db = stackmod.PrivateRedis()
-    stacks = Stacks(db.url, tiny_model, stack_logs)
-    try:
-        s = stacks(GENQ_CHAT_TEMPLATE=str(stackmod.ROOT / TEMPLATE), GENQ_MAX_BATCH_SIZE="8")
-        s.redis_url = db.url
-        s.start_api()
-        s.start_worker()
-        s.wait_ready()
+    with private_stack(
+        tiny_model, stack_logs, GENQ_CHAT_TEMPLATE=str(stackmod.ROOT / TEMPLATE), GENQ_MAX_BATCH_SIZE="8"
+    ) as s:
         yield s
-    finally:
-        stacks.stop()
-        db.stop()
 
 
 @pytest.fixture(scope="module")

@@ -154,6 +154,9 @@ def test_a_bad_key_is_a_400(s, bad):
     resp = s.post("/v1/jobs", json={"prompt": "bad key", "max_new_tokens": 2}, headers={"Idempotency-Key": bad})
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "Idempotency-Key"
+    # Also where the request would queue nothing (the fuzzer's find: /generate with no prompts).
+    resp = s.post("/generate", json={"prompts": []}, headers={"Idempotency-Key": bad})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "Idempotency-Key"
 
 
 def test_concurrent_requests_with_one_key_create_one_job(s, redis_url):

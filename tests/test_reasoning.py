@@ -133,21 +133,12 @@ def test_a_constraint_after_a_text_holds_from_that_text_on(engine):
 def think_stack(tiny_model, stack_logs):
     """On a Redis of its own, as tests/test_tools.py's: another stack's API, on the shared one,
     would drive this one's batches with its own settings."""
-    from conftest import Stacks
+    from conftest import private_stack
 
-    from scripts import stack as stackmod
-
-    db = stackmod.PrivateRedis()
-    stacks = Stacks(db.url, tiny_model, stack_logs)
-    try:
-        s = stacks(GENQ_CHAT_TEMPLATE=str(TEMPLATE), GENQ_REASONING_PARSER="qwen3", GENQ_MAX_BATCH_SIZE="8")
-        s.start_api()
-        s.start_worker()
-        s.wait_ready()
+    with private_stack(
+        tiny_model, stack_logs, GENQ_CHAT_TEMPLATE=str(TEMPLATE), GENQ_REASONING_PARSER="qwen3", GENQ_MAX_BATCH_SIZE="8"
+    ) as s:
         yield s
-    finally:
-        stacks.stop()
-        db.stop()
 
 
 @pytest.fixture(scope="module")

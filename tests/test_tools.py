@@ -54,21 +54,16 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "uni
 def tools_stack(tiny_model, stack_logs):
     """On a Redis of its own: on the tests' shared Redis every other stack's API drives this
     stack's batches too, with its own settings (no tool-call parser: its `auto` lines got 400)."""
-    from conftest import Stacks
+    from conftest import private_stack
 
-    from scripts import stack as stackmod
-
-    db = stackmod.PrivateRedis()
-    stacks = Stacks(db.url, tiny_model, stack_logs)
-    try:
-        s = stacks(GENQ_CHAT_TEMPLATE=str(TEMPLATE), GENQ_TOOL_CALL_PARSER="hermes", GENQ_MAX_BATCH_SIZE="8")
-        s.start_api()
-        s.start_worker()
-        s.wait_ready()
+    with private_stack(
+        tiny_model,
+        stack_logs,
+        GENQ_CHAT_TEMPLATE=str(TEMPLATE),
+        GENQ_TOOL_CALL_PARSER="hermes",
+        GENQ_MAX_BATCH_SIZE="8",
+    ) as s:
         yield s
-    finally:
-        stacks.stop()
-        db.stop()
 
 
 @pytest.fixture

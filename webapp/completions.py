@@ -117,6 +117,7 @@ class CompletionService:
         once they end (a blocking call or a stream), so it fails at once with 503 when no live
         worker serves the model instead of hanging."""
         s = self.jobs
+        idempotency.header_key()  # a bad Idempotency-Key is a 400, also where nothing is queued
         every = [p for p in req.texts for _ in range(req.per_prompt)]
         limits.check(req, every, s.settings)
         callbacks.check_url(req.callback_url, s.settings)
