@@ -1,5 +1,5 @@
 """`python -m bench.prefix`: issue 29's loads (a shared system prompt, multi-turn conversations,
-long prompts beside running streams) against genqueue over the hf engine and vLLM's own server,
+long prompts beside running streams, short prompts at several levels) against genqueue over the hf engine and vLLM's own server,
 streamed chat; writes docs/benchmarks-prefix.md. The loads and goals: docs/benchmarks.md, "The
 harnesses". Quick run: `python -m bench.prefix --model tiny --systems hf --duration 2 --dtypes
 auto --system-tokens 150 --long-tokens 300 --turn1-tokens 60 --turn-tokens 16 --no-write`.
@@ -19,6 +19,7 @@ from bench.common import (
     ROOT,
     CpuMeter,
     Processes,
+    int_list,
     intro,
     main_with_render,
     make_log,
@@ -41,7 +42,7 @@ from bench.common import noise as _noise
 from bench.load import Conn, Loop, sse_events
 from bench.vllm import SHORT, TITLES, parse_dtypes, software, start_chosen, system_lines, system_options
 
-LOADS = ("a", "b", "c")
+LOADS = ("a", "b", "c", "d")
 SYSTEMS = ("hf", "server")
 CHAT = "/v1/chat/completions"
 #: Goals (issue 29), each for the hf system.
@@ -49,6 +50,7 @@ GOAL_RATE = 1.2  # load a: hf req/s >= this x vLLM server's
 GOAL_TTFT = 1.0  # load a: hf TTFT p50 <= this x vLLM server's
 GOAL_TURNS = 1.5  # load b: TTFT p50 of the last turn <= this x turn 1's
 GOAL_ITL = 2.0  # load c: ITL p90 with long prompts arriving <= this x without
+GOAL_SHORT = 1.2  # load d: hf req/s >= this x vLLM server's at every level
 #: vLLM's server reports cached prompt tokens (usage.prompt_tokens_details) only when asked.
 SERVER_ARGS = ["--enable-prompt-tokens-details"]
 MARKER = marker("bench.prefix")
@@ -312,6 +314,18 @@ def run_long_beside_streams(running, args, texts: dict) -> dict:
     return quietest(attempt, args, running.pids, log)
 
 
+def run_short(running, args) -> dict:
+    """Load d: short chat requests (one question each, no system prompt), not streamed,
+    --short-tokens each, closed loop at each of --short-levels: what caching must not cost."""
+    bodies = []
+    for q in questions():
+        body = {"model": running.model, "messages": [{"role": "user", "content": q}], "temperature": 0}
+        bodies.append(json.dumps(body | {"max_tokens": args.short_tokens, "ignore_eos": True}).encode())
+    load = {"path": CHAT, "bodies": bodies, "expect": b'"choices"'}
+    levels = running.measure(f"{SHORT[running.kind]} d (short prompts)", args.short_levels, args, log=log, **load)
+    return {"levels": levels}
+
+
 def server_prefix_caching(outdir: Path) -> str | None:
     """enable_prefix_caching / enable_chunked_prefill as the latest vLLM server log states them."""
     logs = sorted(outdir.glob("server-*.log"), key=lambda p: p.stat().st_mtime)
@@ -338,6 +352,8 @@ def run_system(
             out["b"] = run_multiturn(running, args, sizer)
         if "c" in args.loads:
             out["c"] = run_long_beside_streams(running, args, texts)
+        if "d" in args.loads:
+            out["d"] = run_short(running, args)
         return out
     finally:
         running.stop()
@@ -372,7 +388,21 @@ def verdicts(res: dict) -> list[tuple[str, str]]:
         srv_r = f"; vLLM's server: {_f(srv['c']['ratio'])} x" if "c" in srv else ""
         what = f"c. ITL p90 of {c['streams']} streams with long prompts arriving / without: {_ms(c['beside']['itl_p90'])} / {_ms(c['alone']['itl_p90'])} ms = {_f(c['ratio'])} x (goal <= {GOAL_ITL} x){srv_r}"
         out.append(verdict(c["ratio"] <= GOAL_ITL, what))
+    if "d" in hf and "d" in srv:
+        for n, ours, theirs, r in short_rows(hf["d"], srv["d"]):
+            what = f"d. short prompts at {n} clients, req/s: {_f(ours)} / {_f(theirs)} = {_f(r)} x vLLM's (goal >= {GOAL_SHORT} x)"
+            out.append(verdict(r >= GOAL_SHORT, what))
     return out
+
+
+def short_rows(hf: dict, srv: dict) -> list[list]:
+    """Load d's levels both systems ran: (clients, hf req/s, server req/s, ratio)."""
+    theirs = {r["clients"]: r["rate"] for r in srv["levels"]}
+    rows = []
+    for r in hf["levels"]:
+        if (other := theirs.get(r["clients"])) is not None:
+            rows.append([r["clients"], r["rate"], other, _ratio(r["rate"], other)])
+    return rows
 
 
 def render(res: dict) -> str:
@@ -391,7 +421,9 @@ def render(res: dict) -> str:
         f"b: {a['conv_clients']} conversations at once, {a['conv_each']} per client (the first a warm-up), {a['turns']} turns, "
         f"a {a['turn1_tokens']}-token case file in turn 1, up to {a['turn_tokens']} tokens per answer; "
         f"c: {a['streams']} streams of {a['stream_tokens']} tokens, {a['duration']:g} s alone, then {a['duration']:g} s "
-        f"with {a['long_clients']} client(s) sending {res['texts']['long_tokens']}-token prompts ({a['long_new_tokens']} new tokens)"
+        f"with {a['long_clients']} client(s) sending {res['texts']['long_tokens']}-token prompts ({a['long_new_tokens']} new tokens); "
+        f"d: one question each, not streamed, {a.get('short_tokens', 64)} new tokens (EOS ignored), "
+        f"{', '.join(map(str, a.get('short_levels') or []))} clients, {a['duration']:g} s a level"
     )
 
     L += verdict_lines("Goals", verdicts(res), "the hf system (and for a, vLLM's server) was not measured")
@@ -421,6 +453,17 @@ def render(res: dict) -> str:
             rows.append([SHORT[k]] + [_ms(c[w][f"itl_p{q}"]) for w in ("alone", "beside") for q in (50, 90)])
             rows[-1] += [_f(c["ratio"]), c["long"]["done"], _f(c["long"]["ttft_p50"], 2), c["errors"], _noise(c)]
         L.append(table(hdr + "|long prompts done|their TTFT p50 s|errors|other load", rows))
+    if have := {k: s["d"] for k, s in systems.items() if "d" in s}:
+        L += ["", "## d. Short prompts", ""]
+        rows = [
+            [SHORT[k], r["clients"], _f(r["rate"]), _f(r["p50"], 3), r["errors"], _noise(r)]
+            for k, d in have.items()
+            for r in d["levels"]
+        ]
+        L.append(table("system|clients|req/s|latency p50 s|errors|other load", rows))
+        if "hf" in have and "server" in have:
+            rows = [[n, *map(_f, rest)] for n, *rest in short_rows(have["hf"], have["server"])]
+            L += ["", table("clients|hf req/s|vLLM server req/s|hf / vLLM", rows)]
     L.append("")
     return "\n".join(L)
 
@@ -448,6 +491,7 @@ SIZES = (
     ("--long-tokens", 4000, "load c: tokens of each long prompt"),
     ("--long-clients", 1, "load c: clients sending long prompts"),
     ("--long-new-tokens", 8, "load c: tokens per long prompt's answer"),
+    ("--short-tokens", 64, "load d: tokens per answer"),
 )
 
 
@@ -457,7 +501,8 @@ def parse_args(argv):
     ap.add_argument(
         "--model", dest="checkpoint", default="smollm2", help="smollm2 (scripts/realmodel.py), tiny, a path"
     )
-    ap.add_argument("--loads", default="a,b,c", help="which loads, of a,b,c")
+    ap.add_argument("--loads", default="a,b,c,d", help="which loads, of a,b,c,d")
+    ap.add_argument("--short-levels", default="10,32,64", help="load d: concurrent clients, one level after another")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of load a, and of each half of load c")
     ap.add_argument("--min-requests", type=int, default=2, help="load a: requests each client completes in the window")
     for flag, default, what in SIZES:
@@ -469,6 +514,7 @@ def parse_args(argv):
     for flag, _, _ in SIZES:
         if getattr(args, flag[2:].replace("-", "_")) < 1:
             ap.error(f"{flag} takes 1 or more")
+    args.short_levels = int_list(ap, args.short_levels, "--short-levels")
     if args.duration <= 0:
         ap.error("--duration takes a positive number of seconds")
     try:

@@ -127,6 +127,14 @@ class EngineSettings(_Env):
         "tokens; a longer prompt is prefilled in chunks over several steps (with the prefix cache on), "
         "so that running streams keep their pace and short jobs do not wait behind it; 0: no bound",
     )
+    prefill_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="hf engine: while jobs are decoding, the share of the engine's time that chunks "
+        "of long prompts may take: after a chunk of t seconds, the running jobs get t * (1 - share) / "
+        "share seconds of steps without one; 1: a chunk every step",
+    )
     kv_cache_gib: float | None = Field(
         None,
         gt=0,

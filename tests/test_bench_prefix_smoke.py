@@ -25,7 +25,11 @@ def test_bench_prefix_hf_quick_run(tiny_model, redis_url, tmp_path):
         "--systems",
         "hf",
         "--loads",
-        "a,b,c",
+        "a,b,c,d",
+        "--short-levels",
+        "2",
+        "--short-tokens",
+        "8",
         "--duration",
         "1",
         "--dtypes",
@@ -70,6 +74,8 @@ def test_bench_prefix_hf_quick_run(tiny_model, redis_url, tmp_path):
     assert all(t["n"] == 2 for t in hf["b"]["turns"]), hf["b"]["turns"]  # 2 counted conversations
     assert hf["c"]["alone"]["gaps"] > 0 and hf["c"]["beside"]["gaps"] > 0 and hf["c"]["long"]["done"] >= 1, hf["c"]
     assert hf["c"]["errors"] == 0, hf["c"]
+    ((d,),) = [hf["d"]["levels"]]
+    assert d["clients"] == 2 and d["requests"] > 0 and d["errors"] == 0, d
     (row,) = table_rows(doc, "## a. Shared system prompt")
     assert row[0] == "hf" and float(row[1]) > 0, row
     # Without vLLM's server, load a decides nothing; b and c are decided (whatever the verdict).
@@ -110,6 +116,7 @@ def result(rate, ttft, turn1, turn_last, itl_alone, itl_beside) -> dict:
             "errors": 0,
             **cpu,
         },
+        "d": {"levels": [{"clients": n, "rate": rate * n / 10, "p50": 1.0, "errors": 0, **cpu} for n in (10, 32)]},
     }
 
 
@@ -130,6 +137,8 @@ def test_goals_and_page():
         "stream_tokens": 64,
         "long_clients": 1,
         "long_new_tokens": 8,
+        "short_tokens": 64,
+        "short_levels": [10, 32],
     }
     res = {
         "command": "python -m bench.prefix",
@@ -165,12 +174,20 @@ def test_goals_and_page():
     assert goals[c] == "PASS" and "90.0 / 50.0 ms = 1.80 x (goal <= 2.0 x)" in c, c
     res["systems"]["hf"]["c"]["ratio"] = 2.01
     assert [v for v, w in prefix.verdicts(res) if w.startswith("c.")] == ["FAIL"]
+    res["systems"]["server"]["d"]["levels"][1]["rate"] = 6.0 * 32 / 10 / 1.199  # 1.199 x: not 1.2
+    d = [(v, w) for v, w in prefix.verdicts(res) if w.startswith("d.")]
+    assert d == [
+        ("PASS", "d. short prompts at 10 clients, req/s: 6.00 / 5.00 = 1.20 x vLLM's (goal >= 1.2 x)"),
+        ("FAIL", "d. short prompts at 32 clients, req/s: 19.20 / 16.01 = 1.20 x vLLM's (goal >= 1.2 x)"),
+    ]
     page = prefix.render(res)
-    assert "- Overall: **FAIL** (2 of 4 met)" in page and "Some CPU" in page
+    assert "- Overall: **FAIL** (3 of 6 met)" in page and "Some CPU" in page
     rows = table_rows(page, "## a. Shared system prompt")
     assert [r[0] for r in rows] == ["hf", "vLLM server", "hf / vLLM"] and rows[2][1] == "1.20", rows
     rows = table_rows(page, "## b. Multi-turn")
     assert [r[0] for r in rows] == ["1", "2", "3", "last / first"] and rows[0][2] == "n/a / 100", rows
+    rows = table_rows(page, "## d. Short prompts")
+    assert [r[:3] for r in rows[:2]] == [["hf", "10", "6.00"], ["hf", "32", "19.20"]], rows
 
 
 def test_texts_are_deterministic_and_sized(tiny_model):
@@ -185,7 +202,14 @@ def test_texts_are_deterministic_and_sized(tiny_model):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--loads", "a,d"], ["--systems", "hf,vllm"], ["--turns", "0"], ["--hf-env", "GENQ_X"], ["--duration", "0"]],
+    [
+        ["--loads", "a,e"],
+        ["--short-levels", "10,0"],
+        ["--systems", "hf,vllm"],
+        ["--turns", "0"],
+        ["--hf-env", "GENQ_X"],
+        ["--duration", "0"],
+    ],
 )
 def test_arguments_that_measure_nothing_are_refused(argv):
     with pytest.raises(SystemExit) as exc:

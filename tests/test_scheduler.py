@@ -6,6 +6,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from tasks.schemas import JobSpec, SamplingParams
 from worker.engines.rows import Rows, fill_holes
 from worker.engines.scheduler import Scheduler, Seq
@@ -178,6 +180,43 @@ def test_a_chunk_continues_from_what_the_cache_holds():
     held["long"], long.prefilled = 80, 80
     plan = run(s, long)  # 20 tokens left: whole
     assert plan.admit == [long] and long.chunk is None
+
+
+def test_while_rows_decode_chunks_take_at_most_their_share_of_the_time():
+    """After a chunk of 0.3 s (share 0.5) the running rows get 0.3 s of steps without one, in
+    which short jobs still join; then the next chunk; an idle batch waits for nothing."""
+    held = {}
+    s = Scheduler(16, prefill_budget=32, chunk_block=16, cached=lambda q: held.get(q.spec.id, 0), prefill_share=0.5)
+    stream, long = seq("stream", tokens=4), seq("long", tokens=200)
+    run(s, stream)
+    assert run(s, long).partial == [long] and long.chunk == 32
+    held["long"], long.prefilled, long.chunk = 32, 32, None
+    s.waiting[:0] = [long]  # as the engine puts it back after its chunk
+    s.account(chunk_s=0.3, step_s=0.33)  # the chunk, and the stream's decode in the same step
+    assert s.owed == pytest.approx(0.27)
+    for _ in range(8):
+        plan = run(s, short := seq(f"short{_}", tokens=8))
+        assert plan.admit == [short] and not plan.partial and names(s.waiting) == ["long"]
+        s.account(chunk_s=0.0, step_s=0.03)
+    assert s.owed == pytest.approx(0.03)
+    assert not run(s).partial
+    s.account(chunk_s=0.0, step_s=0.05)  # paid off, and no credit beyond it
+    assert s.owed == 0.0
+    plan = run(s)
+    assert plan.partial == [long] and long.chunk == 64
+
+
+def test_chunk_pacing_waits_only_for_running_rows_and_is_off_at_share_1():
+    for share, rows in ((0.5, False), (1.0, True)):
+        s = Scheduler(capacity=8, prefill_budget=32, chunk_block=16, prefill_share=share)
+        if rows:
+            run(s, seq("stream", tokens=4))
+        long = seq("long", tokens=200)
+        assert run(s, long).partial == [long]
+        long.chunk, s.waiting[:0] = None, [long]
+        s.account(chunk_s=10.0, step_s=10.0)
+        assert s.owed == (10.0 if share < 1 else 0.0)
+        assert run(s).partial == [long], (share, rows)
 
 
 def test_without_chunks_a_long_prompt_runs_alone_in_its_step():

@@ -23,6 +23,7 @@ from tasks.config import ApiSettings
 from webapp.errors import APIError
 from webapp.parsers import TOOL_PARSERS
 from webapp.protocol.chat import ChatCompletionRequest
+from webapp.protocol.output import output_parser
 from webapp.protocol.tools import NamedParser, RequiredParser, Tool, ToolUse, required_schema
 
 TEMPLATE = Path(__file__).with_name("chat_template_tools.jinja")
@@ -165,7 +166,7 @@ def test_forced_outputs_parse_into_calls_or_stay_content():
     for text in ('[{"name": "f", "parameters": {}', "[]", '{"name": "f"}'):
         assert RequiredParser().extract(text) == (text, [])
     # Streamed: nothing before the end, then the calls (or the text).
-    stream = ToolUse("required").output_parser().stream()
+    stream = output_parser(ToolUse("required"), None).stream()
     assert stream.feed('[{"name": "f", ') == [] and stream.feed('"parameters": {}}]') == []
     deltas = [e.delta() for e in stream.finish()]
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}

@@ -117,7 +117,7 @@ class CompletionService:
         once they end (a blocking call or a stream), so it fails at once with 503 when no live
         worker serves the model instead of hanging."""
         s = self.jobs
-        idempotency.header_key()  # a bad Idempotency-Key is a 400, also where nothing is queued
+        keep = idempotency.header_key() is not None  # a bad one is a 400, also where nothing is queued
         every = [p for p in req.texts for _ in range(req.per_prompt)]
         limits.check(req, every, s.settings)
         callbacks.check_url(req.callback_url, s.settings)
@@ -159,7 +159,6 @@ class CompletionService:
 
         # A retry with the same Idempotency-Key and body gets the first request's jobs.
         made, _ = idempotency.once(owner.name if owner else "", create)
-        keep = idempotency.header_key() is not None
         return Submitted(req, made["ids"], made["model"], int(made["created"]), keep)
 
     def check_context(self, req: Jobs, params: SamplingParams, model: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from webapp.parsers import OutputParser, ToolCall, ToolParser, tool_parser
+from webapp.parsers import ToolCall, ToolParser, tool_parser
 from webapp.parsers.base import Scan
 from webapp.protocol.common import invalid
 
@@ -149,10 +149,6 @@ class ToolUse:
         if self.mode == "auto":
             return tool_parser(self.parser or "")
         return NamedParser(self.name or "") if self.mode == "named" else RequiredParser()
-
-    def output_parser(self) -> OutputParser:
-        """The calls alone (no reasoning parser): webapp/protocol/output.py joins both."""
-        return OutputParser(tools=self.tool_parser())
 
     def finish_reason(self, finish: str, calls: list[ToolCall]) -> str:
         """vLLM's and OpenAI's: `tool_calls` when the model called tools, `stop` for a forced

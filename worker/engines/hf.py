@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -106,6 +107,7 @@ class HFEngine(Engine):
             self.capacity,
             settings.background_step_every,
             prefill_budget=settings.max_prefill_tokens,
+            prefill_share=settings.prefill_share,
             cached=lambda seq: self.runner.cached(seq),
             missing=lambda seq: self.runner.missing(seq),
         )
@@ -282,7 +284,9 @@ class HFEngine(Engine):
         work = self._schedule(plan)
         if work.admit or work.decode or work.partial:
             looked = (self.prefix.queries, self.prefix.hits) if self.prefix else (0, 0)
+            began = time.perf_counter()
             decoded, joined = self.runner.step(work.decode, work.admit, work.partial)
+            self.scheduler.account(self.runner.chunk_s, time.perf_counter() - began)
             if self.prefix:
                 work.stats.queries, work.stats.hits = self.prefix.queries - looked[0], self.prefix.hits - looked[1]
             self._update(work, decoded, joined)

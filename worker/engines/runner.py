@@ -12,6 +12,8 @@ state (the next tokens, the processors), like the KV cache's rows, follows the b
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from worker.engines.kvcache import SlotKV
@@ -34,6 +36,7 @@ class ModelRunner:
         self.lm, self.kv, self.device, self.eos, self.tok = lm, kv, device, eos, tok
         self.prefix = prefix if prefix is not None and prefix.capacity else None
         self.scratch: SlotKV | None = None  # the row of a prompt's chunk (`_chunk`)
+        self.chunk_s = 0.0  # seconds the last step's chunks took
         self.block = prefix.block if prefix is not None else 0
         # The logits' width (the output layer's; it may exceed the tokenizer's vocabulary).
         head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
@@ -49,8 +52,10 @@ class ModelRunner:
         fed. The `partial` jobs feed their tokens up to `Seq.chunk` only, into the prefix cache
         (`_chunk`), and do not join. Returns (the running rows' tokens, the admitted jobs' first
         tokens)."""
+        began = time.perf_counter()
         for seq in partial:
             self._chunk(seq)
+        self.chunk_s = time.perf_counter() - began if partial else 0.0
         if not (running or admit):
             return ([], {}), ([], {})
         active, before = len(running), self.kv.rows

@@ -108,6 +108,7 @@ class Scheduler:
         cached: Callable[[Seq], int] = lambda seq: 0,
         missing: Callable[[Seq], Hashable | None] = lambda seq: None,
         kv_columns: int = 0,
+        prefill_share: float = 1.0,
     ):
         self.capacity = capacity
         self.background_every = background_every
@@ -126,6 +127,13 @@ class Scheduler:
         # arrives never takes the worker past its memory: a job that would waits for rows to
         # leave (one alone always runs).
         self.kv_columns = kv_columns
+        # While rows decode, the chunks of long prompts take at most `prefill_share` of the
+        # engine's time: after a chunk of t seconds, the running rows are owed t * (1 - share) /
+        # share seconds of steps without one (`owed`, paid off by the steps' time), so most of
+        # a stream's inter-token gaps are decode steps and a chunk still runs at its full width
+        # (a narrower chunk every step would cost nearly a step's weight reads each).
+        self.prefill_share = prefill_share
+        self.owed = 0.0
         self.rows = Rows()  # the running batch; the engine has the KV cache and runner follow it
         self.waiting: list[Seq] = []  # taken from the inbox, no row yet (preempted ones first)
         self.preemptions = 0
@@ -214,8 +222,14 @@ class Scheduler:
                 rows, longest = rows + 1, grown
             else:
                 over.append(seq)
+        paced = bool(self.rows) and self.owed > 0
         for seq in over:
-            cut = self.chunk_block and seq.spec.params.prompt_logprobs is None and self.cached(seq) >= seq.prefilled
+            cut = (
+                not paced
+                and self.chunk_block
+                and seq.spec.params.prompt_logprobs is None
+                and self.cached(seq) >= seq.prefilled
+            )
             if room > 0 and not plan.partial and cut:
                 block = self.chunk_block
                 done = self.cached(seq) // block * block
@@ -226,6 +240,14 @@ class Scheduler:
                     continue
                 seq.chunk = None
             self.waiting.append(seq)
+
+    def account(self, chunk_s: float, step_s: float) -> None:
+        """After a step that took `step_s` seconds, `chunk_s` of them in chunks: what the
+        running rows are owed before the next chunk (see `prefill_share`). Owed time does not
+        go below nothing: steps without chunks waiting build no credit for a burst of them."""
+        if self.prefill_share < 1:
+            self.owed += chunk_s * (1 - self.prefill_share) / self.prefill_share
+        self.owed = max(0.0, self.owed - (step_s - chunk_s))
 
     def _victims(self, n: int) -> list[int]:
         """Up to `n` background rows, those cheapest to take up again (fewest tokens)."""
