@@ -14,6 +14,7 @@ from scripts import devmodels
 from tasks.config import Settings
 from tasks.schemas import JobSpec, SamplingParams
 from tests.test_architectures import Reference
+from worker.engines.base import JobCancelled
 from worker.engines.hf import HFEngine
 from worker.engines.kvcache import SlotKV
 from worker.engines.prefix import PrefixCache, digests
@@ -256,6 +257,41 @@ def test_chunked_prefill_gives_one_piece_text(name, checkpoints):
         cut = [c for _, partial in chunks for c in partial]
         assert cut and all(c % 16 == 0 for c in cut)
         assert any(running and partial for running, partial in chunks)  # decode went on beside chunks
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("share", [0.1, 1.0])
+def test_chunks_are_paced_while_rows_decode(share, checkpoints):
+    """GENQ_PREFILL_SHARE: at 0.1 a chunk is followed by decode-only steps while a job runs
+    (each chunk owes the running rows nine times its time); at 1 chunks run step after step.
+    Texts stay generate's either way."""
+    path = checkpoints["llama"]
+    ref = Reference(path)
+    eng = engine(path, max_prefill_tokens=16, prefill_share=share)
+    steps = []
+    step = eng.runner.step
+
+    def spy(running, admit, partial=()):
+        steps.append((len(running), bool(partial)))
+        return step(running, admit, partial)
+
+    eng.runner.step = spy
+    try:
+        stream = eng.submit(spec(0, "Hello", 400, ignore_eos=True))
+        wait_rows(eng, 1)
+        long = SYSTEM * 2 + QUESTIONS[0]
+        assert eng.submit(spec(1, long, 4)).result(timeout=120).text == ref(long, 4)
+        eng.cancel("p0")
+        with pytest.raises(JobCancelled):
+            stream.result(timeout=60)
+        beside = [chunk for running, chunk in steps if running]  # the steps while the stream ran
+        first = beside.index(True)
+        last = len(beside) - 1 - beside[::-1].index(True)
+        chunks = beside[first : last + 1]
+        assert chunks.count(True) >= 3, steps
+        back_to_back = any(a and b for a, b in zip(chunks, chunks[1:]))
+        assert back_to_back == (share == 1.0), chunks
     finally:
         eng.close()
 
