@@ -1,6 +1,6 @@
 """`python -m bench.fair`: a calm key's latency while another key floods the queue (issue 34,
 item 1). For each mode (fair share on, off) it starts a stack of its own (a private Redis, the
-API with two keys, one hf worker on the tiny model), measures the calm key's job latency idle
+API with two keys, one hf worker on the tiny model or, with `--model smollm2`, the real SmolLM2), measures the calm key's job latency idle
 (one job at a time), then submits a flood of jobs from the other key and, while the flood is
 worked on, the calm key's jobs at a steady pace; latency is the job's `total_s` (created to
 finished). Prints a Markdown table and writes bench/out/fair.json. docs/benchmarks.md, "Fair
@@ -36,7 +36,7 @@ class Stack:
         keys_file.write_text(f"{FLOOD_KEY} name=flood\n{CALM_KEY} name=calm\n")
         env = {
             "REDIS_URL": self.db.url,
-            "GENQ_MODEL": str(devmodels.ensure("tiny", stackmod.TINY_MODEL_DIR)),
+            "GENQ_MODEL": str(checkpoint(args.model)),
             "GENQ_MODEL_NAME": "bench-fair",
             "GENQ_PORT": str(port),
             "GENQ_API_WORKERS": "2",
@@ -45,7 +45,7 @@ class Stack:
             "GENQ_FAIR_DEPTH": str(args.depth),
             "GENQ_MAX_BATCH_SIZE": str(args.batch),
             "GENQ_MAX_QUEUE_DEPTH": str(args.flood * 2),
-            "GENQ_DTYPE": "float32",
+            "GENQ_DTYPE": "float32" if args.model == "tiny" else "auto",
         }
         mode = "on" if fair else "off"
         self.procs = [stackmod.Proc("api", stackmod.api_argv(), env, logs / f"api-{mode}.log")]
@@ -73,6 +73,15 @@ class Stack:
         for proc in reversed(self.procs):
             proc.stop()
         self.db.stop()
+
+
+def checkpoint(model: str) -> Path:
+    """The tiny random test model, or the real SmolLM2-135M-Instruct (scripts/realmodel.py)."""
+    if model == "smollm2":
+        from scripts import realmodel
+
+        return realmodel.ensure()
+    return devmodels.ensure("tiny", stackmod.TINY_MODEL_DIR)
 
 
 def _quiet(check) -> bool:
@@ -132,6 +141,12 @@ def main() -> int:
     p.add_argument("--depth", type=int, default=4, help="GENQ_FAIR_DEPTH")
     p.add_argument("--out", type=Path, default=OUT / "fair.json", help="where the results go (JSON)")
     p.add_argument("--modes", default="on,off", help="fair share on, off, or both")
+    p.add_argument(
+        "--model",
+        choices=("tiny", "smollm2"),
+        default="tiny",
+        help="tiny (float32) or SmolLM2-135M-Instruct (auto dtype)",
+    )
     args = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-fair-") as tmp:
@@ -143,7 +158,7 @@ def main() -> int:
     args.out.write_text(json.dumps({"args": meta, "cpus": os.cpu_count(), "results": results}))
     print(
         f"\n{args.flood}-job flood, {args.calm} calm jobs every {args.pace} s, max_tokens {args.max_tokens}, "
-        f"batch {args.batch}, GENQ_FAIR_DEPTH {args.depth}\n"
+        f"batch {args.batch}, GENQ_FAIR_DEPTH {args.depth}, model {args.model}\n"
     )
     print("| fair share | calm p50 idle | calm p50 in flood | ratio | of which queued / running (p50) | flood took |")
     print("|---|---|---|---|---|---|")
