@@ -208,6 +208,9 @@ class CallbackSettings(_Env):
         3600.0, gt=0, description="seconds after a job ends that its callback is retried before it is dropped"
     )
     callback_timeout: float = Field(10.0, gt=0, description="seconds one callback POST may take")
+    callback_concurrency: int = Field(
+        8, ge=1, le=256, description="callbacks one API process delivers at once (a slow receiver holds one of them)"
+    )
 
 
 class WorkerSettings(_Env):

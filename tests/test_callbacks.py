@@ -237,6 +237,43 @@ def test_a_callback_held_by_a_killed_api_is_delivered_by_the_next(make_stack, re
     stackmod.wait_until(lambda: r.zscore(keys.CALLBACKS_DUE, f"job:{job_id}") is None, 10, "the entry removed")
 
 
+def test_a_slow_receiver_holds_one_delivery_not_the_others(db, receiver, monkeypatch):
+    """Deliveries run side by side (GENQ_CALLBACK_CONCURRENCY): while the receiver holds the
+    first callback (it answers only after its 10 s timeout), the second one is delivered. A real
+    Redis and HTTP; the entries' records are stubbed (`_record`: what the body says is not
+    the point here)."""
+    from webapp.callbacks import CallbackDeliverer
+
+    settings = Settings(callback_allow="127.0.0.1", callback_timeout=10, callback_concurrency=2)
+    client = redis.Redis.from_url(db.url, decode_responses=True)
+    service = type("Service", (), {"r": client})()
+    deliverer = CallbackDeliverer(service, settings)
+    ids = [f"job:slow-{uuid.uuid4().hex[:8]}", f"job:next-{uuid.uuid4().hex[:8]}"]
+    record = {"callback_url": receiver.url}
+    monkeypatch.setattr(deliverer, "_record", lambda member: (record, {"id": member}, time.time()))
+    receiver.plan = ["hang"]
+    try:
+        client.zadd(keys.CALLBACKS_DUE, {ids[0]: time.time() - 1})
+        began = time.monotonic()
+        assert deliverer.tick() == 1
+        receiver.wait_for(1, timeout=10)
+        assert time.monotonic() - began < 5  # tick does not wait for the delivery (10 s here)
+        client.zadd(keys.CALLBACKS_DUE, {ids[1]: time.time() - 1})
+        assert deliverer.tick() == 1
+        got = receiver.wait_for(2, timeout=5)  # serially: only after the first one's 10 s
+        assert [json.loads(b)["id"] for _, b in got] == ids
+        stackmod.wait_until(lambda: client.zscore(keys.CALLBACKS_DUE, ids[1]) is None, 5, "the second delivered")
+        assert client.zscore(keys.CALLBACKS_DUE, ids[0]) is not None  # still held
+        deliverer.concurrency = 1  # full: nothing more is claimed while one is out
+        client.zadd(keys.CALLBACKS_DUE, {"job:third": time.time() - 1})
+        assert deliverer.tick() == 0
+    finally:
+        receiver.release.set()
+        deliverer.stop()
+        client.zrem(keys.CALLBACKS_DUE, *ids, "job:third")
+        client.close()
+
+
 @pytest.mark.parametrize(
     "url",
     [

@@ -6,7 +6,9 @@ job's final transition (tasks/jobs.py) adds `job:<id>` to the due set (keys.CALL
 scored by when it is due) when the record has a `callback_url`; a batch's end adds `batch:<id>`
 in the transaction that ends it (webapp/batches/store.py). A deliverer, a thread in every API
 process (as the batch driver), claims each due entry by moving its score a lease ahead, in one
-script: another process takes it up only once the lease has passed (its holder died). It POSTs
+script: another process takes it up only once the lease has passed (its holder died). It
+delivers up to GENQ_CALLBACK_CONCURRENCY at once (claiming no more than it has room for), so a
+receiver that is slow to answer holds one delivery, not every other one behind it. It POSTs
 the body signed `X-Genq-Signature: sha256=<hex HMAC-SHA256 of the body>` (GENQ_WEBHOOK_SECRET),
 removes the entry on a 2xx, and otherwise moves it to the next try, backing off exponentially,
 until GENQ_CALLBACK_DEADLINE after the end: delivered at least once, whichever process dies.
@@ -27,6 +29,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import requests
@@ -140,8 +143,12 @@ class CallbackDeliverer:
         self.stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._claim = self.r.register_script(_CLAIM)
-        self._http = requests.Session()
+        self._local = threading.local()  # a requests session per delivering thread
         self._warned = 0.0
+        self.concurrency = settings.callback_concurrency
+        self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="genq-callback")
+        self._lock = threading.Lock()
+        self._inflight = 0  # deliveries claimed and not yet done
 
     def start(self) -> None:
         if self.settings.webhook_secret is None:
@@ -152,6 +159,7 @@ class CallbackDeliverer:
 
     def stop(self) -> None:
         self.stopped.set()
+        self._pool.shutdown(wait=False)
 
     def run(self) -> None:
         while not self.stopped.wait(TICK_S):
@@ -165,14 +173,31 @@ class CallbackDeliverer:
                 log.exception("callbacks: tick failed")
 
     def tick(self) -> int:
-        """Claim and deliver the entries due now; returns how many were tried."""
+        """Claim the entries due now, as many as there is room for, and start delivering them;
+        returns how many were claimed."""
+        room = min(CLAIM_MAX, self.concurrency - self._inflight)
+        if room <= 0:
+            return 0
         now = time.time()
         tried = 0
-        for member in self.r.zrangebyscore(keys.CALLBACKS_DUE, "-inf", now, start=0, num=CLAIM_MAX):
+        for member in self.r.zrangebyscore(keys.CALLBACKS_DUE, "-inf", now, start=0, num=room):
             if self._claim(keys=[keys.CALLBACKS_DUE], args=[member, now, now + self.lease_s]):
                 tried += 1
-                self.deliver(member)
+                with self._lock:
+                    self._inflight += 1
+                self._pool.submit(self._deliver_one, member)
         return tried
+
+    def _deliver_one(self, member: str) -> None:
+        try:
+            self.deliver(member)
+        except BROKER_ERRORS as exc:  # the entry stays due: its lease passes, it is tried again
+            log.warning("callbacks: Redis unavailable delivering %s: %s", member, exc)
+        except Exception:
+            log.exception("callbacks: delivering %s failed", member)
+        finally:
+            with self._lock:
+                self._inflight -= 1
 
     def _record(self, member: str) -> tuple[dict[str, str], dict[str, Any] | None, float]:
         """The entry's record, its callback body (None: it is gone), and when it ended."""
@@ -202,7 +227,7 @@ class CallbackDeliverer:
         error = ""
         try:
             check_url(url, self.settings)  # again: where its host points may have changed
-            resp = self._http.post(
+            resp = self._session().post(
                 url, data=body, headers=headers, timeout=self.settings.callback_timeout, allow_redirects=False
             )
             if 200 <= resp.status_code < 300:
@@ -225,6 +250,11 @@ class CallbackDeliverer:
         )
         self.r.zadd(keys.CALLBACKS_DUE, {member: now + backoff(attempts)}, xx=True)
         return False
+
+    def _session(self) -> requests.Session:
+        if (http := getattr(self._local, "http", None)) is None:
+            http = self._local.http = requests.Session()
+        return http
 
     def _forget(self, member: str) -> None:
         pipe = self.r.pipeline()
