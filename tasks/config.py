@@ -131,7 +131,7 @@ class EngineSettings(_Env):
         0.5,
         gt=0,
         le=1,
-        description="hf engine: while jobs are decoding, the share of the engine's time that chunks "
+        description="hf engine: while interactive (not batch) jobs are decoding, the share of the engine's time that chunks "
         "of long prompts may take: after a chunk of t seconds, the running jobs get t * (1 - share) / "
         "share seconds of steps without one; 1: a chunk every step",
     )

@@ -206,11 +206,11 @@ def test_while_rows_decode_chunks_take_at_most_their_share_of_the_time():
     assert plan.partial == [long] and long.chunk == 64
 
 
-def test_chunk_pacing_waits_only_for_running_rows_and_is_off_at_share_1():
-    for share, rows in ((0.5, False), (1.0, True)):
+def test_chunk_pacing_waits_only_for_running_foreground_rows_and_is_off_at_share_1():
+    for share, rows in ((0.5, None), (0.5, "background"), (1.0, "foreground")):
         s = Scheduler(capacity=8, prefill_budget=32, chunk_block=16, prefill_share=share)
         if rows:
-            run(s, seq("stream", tokens=4))
+            run(s, seq("row", background=rows == "background", tokens=4))
         long = seq("long", tokens=200)
         assert run(s, long).partial == [long]
         long.chunk, s.waiting[:0] = None, [long]

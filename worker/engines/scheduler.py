@@ -127,7 +127,8 @@ class Scheduler:
         # arrives never takes the worker past its memory: a job that would waits for rows to
         # leave (one alone always runs).
         self.kv_columns = kv_columns
-        # While rows decode, the chunks of long prompts take at most `prefill_share` of the
+        # While foreground rows decode (background rows, batch lines, have no reader waiting
+        # on each token), the chunks of long prompts take at most `prefill_share` of the
         # engine's time: after a chunk of t seconds, the running rows are owed t * (1 - share) /
         # share seconds of steps without one (`owed`, paid off by the steps' time), so most of
         # a stream's inter-token gaps are decode steps and a chunk still runs at its full width
@@ -222,7 +223,7 @@ class Scheduler:
                 rows, longest = rows + 1, grown
             else:
                 over.append(seq)
-        paced = bool(self.rows) and self.owed > 0
+        paced = self.fg > 0 and self.owed > 0  # foreground rows decode: their gaps are kept short
         for seq in over:
             cut = (
                 not paced
