@@ -81,7 +81,7 @@ class FusedMember(torch.nn.Module):
 
 def _groups(parent: torch.nn.Module) -> list[list[str]]:
     """The `SIBLINGS` groups `parent` has whole: plain linears of one input size, all with a
-    bias or all without, none of whose weights another module shares (a tied weight stays)."""
+    bias or all without (`pack` leaves a group one of whose weights another module shares)."""
     children = dict(parent.named_children())
     out = []
     for names in SIBLINGS:
