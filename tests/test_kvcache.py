@@ -98,3 +98,44 @@ def test_a_batch_that_never_empties_slides_its_window_in_place():
         rows += [[new_k[0, :, active:]]] if joining else []
         check(kv, rows, set())
     assert slides.count(True) >= 3 and len(reallocs) <= 3, (slides, reallocs)
+
+
+def test_a_wide_row_joining_at_the_right_edge_gets_its_columns():
+    """A batch at its buffers' right edge (a slide is due) and a joining row wider than the
+    window by more than the slide leaves on the left: new buffers, the row's keys all there.
+    (Sliding first and growing left after put the start below 0: the row got no columns, and
+    the prefix cache's store failed the step; found by a CI run of bench.prefix's load c.)"""
+    torch.manual_seed(0)
+    kv = SlotKV(LAYERS, HEADS, DIM, torch.float32, max_rows=4)
+    rows: list[list[torch.Tensor]] = []
+
+    def step(active: int, joining: list[int]) -> None:
+        kv.begin(active, joining)
+        new_k = torch.randn(1, HEADS, active + sum(joining), DIM)
+        for layer in kv.cache.layers:
+            layer.update(new_k, new_k)
+        kv.finish()
+        for r in range(active):
+            rows[r].append(new_k[0, :, r : r + 1])
+        at = active
+        for n in joining:
+            rows.append([new_k[0, :, at : at + n]])
+            at += n
+
+    step(0, [3, 3])  # buffers for two rows
+    for _ in range(20):
+        step(2, [])
+    kv.select([0])
+    rows.pop()
+    step(1, [3])  # a row that starts 20 columns further right
+    kv.select([1])  # the first leaves: the window now starts far from the buffers' left edge
+    rows.pop(0)
+    while kv.end < kv.mask.shape[1]:  # running up to the right edge: a slide is due
+        step(1, [])
+    grow = 16  # what the joining row needs on the left: within the start, beyond a slide's 8
+    assert 8 < grow <= kv.start and kv.mask.shape[0] >= 2
+    step(1, [kv.length + 1 + grow])
+    assert kv.start >= 0
+    check(kv, rows, set())
+    step(2, [])
+    check(kv, rows, set())

@@ -33,6 +33,7 @@ from worker.engines.rows import fill_holes
 #: The attention implementation name the hf engine's model runs with (`attention` below).
 ATTENTION = "genq"
 _local = threading.local()  # the step being run on this thread (the engine's)
+SLIDE_LEFT = 8  # where a window that reached the buffers' right edge moves back to (`_slide`)
 
 
 @dataclass
@@ -227,8 +228,13 @@ class SlotKV:
         if self.rows == 0:  # an empty batch: the window restarts where it has room on the left
             self.start = self.end = width + 7 if self.mask.shape[1] >= width + 40 else 0
         grow_left = max(0, width - (self.length + 1))
-        full = self.end >= self.mask.shape[1]
-        if self.rows + n > self.mask.shape[0] or grow_left > self.start or (full and not self._slide()):
+        renew = self.rows + n > self.mask.shape[0] or grow_left > self.start
+        if not renew and self.end >= self.mask.shape[1]:  # at the right edge: back to the left
+            # A slide puts the window's start at SLIDE_LEFT: a joining row wider than that
+            # leaves room for needs new buffers (sliding first and growing left after would
+            # take the start below 0, and the row's columns out of the buffers).
+            renew = grow_left > SLIDE_LEFT or not self._slide()
+        if renew:
             self._realloc(self.rows + n, left=grow_left + 8, right=max(32, self.length))
         if grow_left:  # wider than the window: the running rows gain masked columns on the left
             self.start -= grow_left
@@ -346,7 +352,7 @@ class SlotKV:
 
     # -- buffers -------------------------------------------------------------------------
 
-    def _slide(self, left: int = 8) -> bool:
+    def _slide(self, left: int = SLIDE_LEFT) -> bool:
         """Move the window back to `left`, in place (only its columns are copied), where the
         buffers hold it twice over: a batch that never empties slides right a column a step,
         and new buffers (zeroed, every layer) cost far more than the copy. False: no room."""
