@@ -143,13 +143,13 @@ class Fleet(Stack):
         return [self.view(job_id), self.r.get(RESULT_KEY.format(job_id)), self.r.xrange(keys.stream(job_id))]
 
     def message_of(self, job_id: str) -> str:
-        """Where a job's broker message is: kombu's `unacked` hash, a queue list, or nowhere."""
-        if any(job_id in raw for raw in self.r.hvals("unacked")):
-            return "unacknowledged (kombu's unacked hash)"
+        """Where a job's broker message is: a queue list, or none (taken by a worker, which
+        holds it in memory only: kombu's ack emulation is off, or lost)."""
         for name in self.r.scan_iter(match=queue_for(self.name) + "*", _type="list"):
             if any(job_id in raw for raw in self.r.lrange(name, 0, -1)):
                 return f"queued (list {name!r})"
-        return "nowhere: neither queued nor unacknowledged"
+        inflight = [k for k in self.r.scan_iter(match=keys.inflight("*")) if self.r.hexists(k, job_id)]
+        return f"in no list; in flight on {inflight}" if inflight else "in no list and in no in-flight hash"
 
     def records(self, ids: list[str], first: dict[str, list]) -> dict[str, dict]:
         """Each job's record as first seen final, else as it is now."""

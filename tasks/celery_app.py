@@ -2,8 +2,8 @@
 API's `make_sender` adds short timeouts), and how a job's message is sent (`publish_job`,
 `job_message`).
 
-In short: JSON only; a job acknowledged once it has finished, so that a dead worker's message
-is delivered again; a visibility timeout above the longest job; a worker reserving one message
+In short: JSON only; a job acknowledged once it has finished; no ack emulation (genqueue's own
+records say where each job is, and its workers recover a dead one's); a worker reserving one message
 per batch slot (and its engine's reserve); running jobs kept through a dropped broker
 connection; one result backend per process; no rate limits, and task events only when asked
 (Flower); one broker priority step per API priority (`broker_priority`, step 0 served first).
@@ -28,11 +28,10 @@ TOKENIZE_TASK = "genq.tokenize"
 
 
 # kombu's Redis channel reuses one client per pool; through Redis Sentinel, a closed broker
-# channel can still reach the master; its `unacked` writes skip MULTI/EXEC (tasks/kombu_compat.py).
+# channel can still reach the master; a restore never goes to a lane (tasks/kombu_compat.py).
 kombu_compat.reuse_channel_clients()
 kombu_compat.remember_sentinels()
 kombu_compat.unlane_restores()
-kombu_compat.lean_acks()
 
 PRIORITY_STEPS = list(range(PRIORITY_MAX - PRIORITY_MIN + 1))
 
@@ -92,7 +91,6 @@ WORKER_REDIS_RETRY_S = 300
 
 def make_celery(settings: Settings | None = None) -> Celery:
     s = settings or get_settings()
-    visibility = s.redelivery_after
     broker = redis_conn.broker_url(s)  # REDIS_URL, or the sentinels' (GENQ_REDIS_SENTINELS)
     sentinel = redis_conn.transport_options(s)
     app = Celery("genqueue", broker=broker, backend=backend_url(broker), set_as_current=False)
@@ -107,7 +105,11 @@ def make_celery(settings: Settings | None = None) -> Celery:
         worker_prefetch_multiplier=1,
         worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_transport_options={
-            "visibility_timeout": visibility,
+            # A received message is not copied to kombu's `unacked` hash (four Redis commands
+            # a job) nor delivered again after a visibility timeout: the job's record, its
+            # queue's queued set and the worker's in-flight hash say where every job is, and
+            # the workers recover from them (worker/recovery.py, docs/reliability.md).
+            "ack_emulation": False,
             "priority_steps": PRIORITY_STEPS,
             "sep": BROKER_SEP,
             "queue_order_strategy": "priority",
@@ -115,7 +117,6 @@ def make_celery(settings: Settings | None = None) -> Celery:
         },
         task_default_priority=broker_priority(0),
         result_backend_transport_options={
-            "visibility_timeout": visibility,
             "retry_policy": {
                 "max_retries": None,
                 "timeout": WORKER_REDIS_RETRY_S,

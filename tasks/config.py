@@ -174,9 +174,6 @@ class LimitSettings(_Env):
     max_prompt_chars: int = Field(32_768, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
     job_timeout: int = Field(600, ge=1, description="seconds one job may run")
-    visibility_timeout: int | None = Field(
-        None, ge=1, description="seconds before an unacknowledged job is delivered again"
-    )
     max_attempts: int = Field(
         3, ge=1, description="attempts at a job whose worker dies or hangs before it fails (worker_lost)"
     )
@@ -294,11 +291,6 @@ class Settings(
         """GENQ_REDIS_SENTINELS as (host, port) pairs; empty: Redis at REDIS_URL."""
         pairs = [a.strip().rsplit(":", 1) for a in self.redis_sentinels.split(",") if a.strip()]
         return [(host, int(port)) for host, port in pairs]
-
-    @property
-    def redelivery_after(self) -> int:
-        """Above the longest job, or a slow job would be delivered twice."""
-        return self.visibility_timeout or 2 * self.job_timeout + 60
 
 
 @lru_cache(maxsize=1)

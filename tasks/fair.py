@@ -77,6 +77,25 @@ return moved
 """
 )
 
+# `_FILL` as a prefix to another script (tasks/jobs.py's start of a job: a worker refills as it
+# takes each job, in the same call): takes its own arguments off the end of ARGV first, the
+# weights hash, the depth, then each step's list and active owners' zset, then their count.
+FILL_FIRST = (
+    FILL_LUA
+    + """
+do
+  local n = tonumber(table.remove(ARGV))
+  local f = {}
+  for i = n, 1, -1 do f[i] = table.remove(ARGV) end
+  local active = {}
+  for i = 4, #f, 2 do active[#active + 1] = f[i] end
+  if redis.call('EXISTS', unpack(active)) > 0 then
+    for i = 3, #f, 2 do fill(f[i], f[i + 1], f[1], tonumber(f[2])) end
+  end
+end
+"""
+)
+
 # The `push` tasks/jobs.py's _CREATE calls for each message it records, with fair share: it
 # takes the last 3 KEYS (the step's shared list, its active owners, the weights hash) and the
 # last 3 ARGV (depth, owner, weight). A message for another list (a worker's lane) is pushed
@@ -140,10 +159,19 @@ class FairLines:
 
     def fill(self, queue: str) -> int:
         """Refill every priority step's list of `queue` from its lines; how many moved."""
+        return int(self._fill(keys=[keys.FAIR_WEIGHTS], args=self._steps(queue)))
+
+    def fill_args(self, queue: str) -> list:
+        """What `FILL_FIRST` takes off the end of the ARGV of the script it prefixes, to refill
+        `queue`'s lists in that script's call."""
+        args = [keys.FAIR_WEIGHTS, *self._steps(queue)]
+        return [*args, len(args)]
+
+    def _steps(self, queue: str) -> list:
         args: list = [self.depth]
         for step in range(self.steps):
             args += [queue_key(queue, step), keys.fair_owners(queue, step)]
-        return int(self._fill(keys=[keys.FAIR_WEIGHTS], args=args))
+        return args
 
     def waiting_ids(self, queue: str) -> set[str]:
         """The ids of the jobs whose messages wait in `queue`'s lines. Messages only leave a

@@ -17,7 +17,7 @@ import redis
 
 from tasks import keys
 from tasks.errors import CANCELLED, EXPIRED, JobError, QuotaExceeded, worker_lost
-from tasks.fair import PLAIN_PUSH_LUA, PUSH_LUA
+from tasks.fair import FILL_FIRST, PLAIN_PUSH_LUA, PUSH_LUA
 from tasks.records import Attempt, queued_record
 from tasks.schemas import JobSpec, JobStatus
 from tasks.usage import COUNT, NONE, Counts, count_args
@@ -116,12 +116,20 @@ elseif raw_attempts == ARGV[5] then redis.call('SET', KEYS[5], value, 'EX', ex) 
 _CREATE = """
 local jobs = tonumber(ARGV[6])
 local cutoff = tonumber(ARGV[3]) - tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff)
-local depth = redis.call('ZCARD', KEYS[1])
+-- A set's count, less the ids of records that expired while queued (none left the set through
+-- _TRANSITION); those are only looked for when the count would refuse.
+local function count(set, limit)
+  local n = redis.call('ZCARD', set)
+  if n + jobs > limit then
+    redis.call('ZREMRANGEBYSCORE', set, '-inf', cutoff)
+    n = redis.call('ZCARD', set)
+  end
+  return n
+end
+local depth = count(KEYS[1], tonumber(ARGV[1]))
 local owned = 0
 if KEYS[2] ~= '' then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', cutoff)
-  owned = redis.call('ZCARD', KEYS[2])
+  owned = count(KEYS[2], tonumber(ARGV[5] ~= '' and ARGV[5] or ARGV[1]))
   if ARGV[5] ~= '' and owned + jobs > tonumber(ARGV[5]) then return {depth, owned, 2} end
 end
 if depth + jobs > tonumber(ARGV[1]) then return {depth, owned, 1} end
@@ -163,6 +171,7 @@ class JobStore:
         self.r, self.blocking = client, blocking or client
         self.ttl, self.max_attempts = ttl, max_attempts
         self._transition = client.register_script(RECORD + _TRANSITION)
+        self._start_filling = client.register_script(FILL_FIRST + RECORD + _TRANSITION)  # tasks/fair.py
         self._create = client.register_script(PLAIN_PUSH_LUA + _CREATE)
         self._create_fair = client.register_script(PUSH_LUA + _CREATE)
         self._succeed = client.register_script(RECORD + COUNT + _SUCCEED)
@@ -247,6 +256,7 @@ class JobStore:
         tag: str = "",
         _result: tuple[str | bytes, str | bytes, int] | None = None,
         _counts: Counts | None = None,
+        _fill: list | None = None,
         **fields: Any,
     ) -> tuple[int, JobStatus | None, int, int]:
         flat: list[str] = []
@@ -260,6 +270,9 @@ class JobStore:
         elif _counts is not None:
             script, extra_keys = self._counted, [keys.USAGE]
             flat += count_args(*_counts)
+        elif _fill is not None:
+            script = self._start_filling
+            flat += _fill
         res = script(
             keys=[keys.job(job_id), keys.done(job_id), keys.stream(job_id), keys.CALLBACKS_DUE, *extra_keys],
             args=[
@@ -291,14 +304,16 @@ class JobStore:
         moved, prev, _, _ = self._move(job_id, to, allowed, fence, **fields)
         return moved == 1, prev
 
-    def start(self, job_id: str, worker: str, tag: str) -> Attempt:
+    def start(self, job_id: str, worker: str, tag: str, fill: list | None = None) -> Attempt:
         """Begin a new attempt at a job on `worker`, which holds its message as `tag`.
 
         `running` is allowed as a source: the job is delivered again after its worker died.
         A job that already used up its attempts fails instead (a poison job must not take
-        down one worker after another)."""
+        down one worker after another). `fill`: fair share's (tasks/fair.py
+        `FairLines.fill_args`): the queue's lists are refilled from the keys' lines first,
+        in the same call, whether or not the job starts."""
         moved, prev, number, forgiven = self._move(
-            job_id, JobStatus.running, ACTIVE, worker=worker, tag=tag, started=repr(time.time())
+            job_id, JobStatus.running, ACTIVE, worker=worker, tag=tag, _fill=fill, started=repr(time.time())
         )
         return Attempt(
             run=moved == 1, prev=prev, number=number, exhausted=moved == 2, solo=forgiven >= SOLO_AFTER_FORGIVEN

@@ -125,9 +125,15 @@ def batches_of(owner: str) -> str:
     return f"{PREFIX}:batches:of:{owner}"
 
 
-# Usage per API key (tasks/usage.py): one hash, field `<owner>\t<model>\t<count>` (count: jobs,
-# prompt_tokens, completion_tokens, cached_tokens), owner '' for the jobs of an open API.
-USAGE = f"{PREFIX}:usage"
+# Usage per API key (tasks/usage.py): the set of rows `<owner>\t<model>` counted so far (owner ''
+# for the jobs of an open API), and each row's counts (`usage_row`).
+USAGE = f"{PREFIX}:usage:rows"
+
+
+def usage_row(row: str) -> str:
+    """One row's counts: jobs, prompt_tokens, completion_tokens, cached_tokens, as four signed
+    64-bit integers of one string, which one BITFIELD adds to (tasks/usage.py)."""
+    return f"{PREFIX}:usage:row:{row}"
 
 
 def rate(kind: str, owner: str) -> str:

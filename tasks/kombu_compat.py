@@ -6,17 +6,15 @@
 - `remember_connparams`, `remember_sentinels`: `Channel._connparams` and
   `SentinelChannel._sentinel_managed_pool`, so that a channel closed by a reconnect still
   reaches Redis (a job finishing after it acks on it; before, that stopped the worker).
-- `guard_restores`: `QoS.restore_unacked`, as a channel closes: waits for Redis instead of
-  raising, and keeps the messages of jobs still running here.
+- `guard_restores`: the virtual `QoS.restore_unacked` and the Redis `Channel._restore`, as a
+  channel closes (without ack emulation: tasks/celery_app.py): keeps the messages of jobs still
+  running here, and waits for Redis instead of failing.
 - `build_message`: a task message built by hand (Celery's `amqp.as_task_v2`, kombu's Redis
   envelope and priority list, Celery's publish signals and task-sent event), so that the API
   pushes it in the Lua call that records the job (tasks/celery_app.py `job_message`).
 - `unlane_restores`: `Channel._do_restore_message`, every restore's way back to a queue: a
   message restored from a worker's lane goes to the shared queue (tasks/placement.py).
-- `lean_acks`: `QoS.append` and `QoS.ack`, the `unacked` writes of every job received and
-  acknowledged, without MULTI/EXEC around them.
-- `priority_lists`, `forget_unacked`, `restore_message`: the channel's private
-  `_q_for_pri`, `QoS._remove_from_indices` and `_do_restore_message`, for worker/recovery.py.
+- `priority_lists`: the channel's private `_q_for_pri`, for worker/recovery.py.
 """
 
 from __future__ import annotations
@@ -149,46 +147,62 @@ _running_tags: Callable[[], Collection[str]] = frozenset
 
 
 def guard_restores(running_tags: Callable[[], Collection[str]]) -> None:
-    """Make kombu's restore of a closed channel's unacknowledged messages (its Redis QoS)
-    wait for Redis instead of raising, and skip the messages of jobs still running here; and
-    let a closed channel reach Redis (`remember_connparams`)."""
+    """genqueue runs kombu's Redis transport without its ack emulation (tasks/celery_app.py):
+    a received message lives in the worker's memory only, and the job's record, its queue's
+    queued set and the worker's in-flight hash are what recovery goes by. As a channel closes
+    (a dropped connection, a warm shutdown), kombu gives the messages it received and nobody
+    acknowledged back to their queues (`QoS.restore_unacked`, each through `Channel._restore`).
+    Here that skips the messages of jobs still running in this process (they stay with it; if
+    it dies, recovery publishes them again), and each restore waits for Redis instead of
+    failing, and goes through `_do_restore_message` as every restore does (`unlane_restores`);
+    and a closed channel still reaches Redis (`remember_connparams`)."""
     global _running_tags
-    _running_tags = running_tags  # the latest caller's: the patch below is made once
+    _running_tags = running_tags  # the latest caller's: the patches below are made once
     remember_connparams()
-    original = kombu_redis.QoS.restore_unacked
-    if getattr(original, "genq_guarded", False):
+    unlane_restores()
+    qos = kombu_redis.virtual.QoS
+    if getattr(qos.restore_unacked, "genq_guarded", False):
         return
+    original = qos.restore_unacked
 
-    def restore_unacked(self, client=None):
+    def restore_unacked(self):
         keep = set(_running_tags())
         for tag in [t for t in self._delivered if t in keep]:
             self._delivered.pop(tag, None)
+        return original(self)
+
+    def _restore(self, message, leftmost=False):
+        delivery = message.delivery_info
         deadline = time.monotonic() + RESTORE_WAIT_S
         while True:
             try:
-                return original(self, client)
+                with self.conn_or_acquire() as client:
+                    pipe = client.pipeline(transaction=False)
+                    self._do_restore_message(
+                        message._raw, delivery["exchange"], delivery["routing_key"], pipe, leftmost
+                    )
+                    pipe.execute()
+                return
             except Exception as exc:  # noqa: BLE001 - whatever a half-closed client raises
                 if time.monotonic() > deadline:
                     log.error(
-                        "could not give %d received jobs back to the broker: %s; they "
-                        "come back after the visibility timeout",
-                        len(self._delivered),
+                        "could not give a received job back to the broker: %s; the reconciler "
+                        "publishes it again from its record",
                         exc,
                     )
-                    self._delivered.clear()
-                    return None
-                log.warning("giving received jobs back to the broker failed (%s); retrying", exc)
-                client = None
+                    return
+                log.warning("giving a received job back to the broker failed (%s); retrying", exc)
                 time.sleep(0.5)
 
     restore_unacked.genq_guarded = True
-    kombu_redis.QoS.restore_unacked = restore_unacked
+    qos.restore_unacked = restore_unacked
+    kombu_redis.Channel._restore = _restore
 
 
 def unlane_restores() -> None:
-    """Every restore of a message (a closed channel's, the visibility timeout's, recovery's)
-    goes through kombu's `_do_restore_message`: one received from a worker's lane goes back to
-    the shared queue instead, where any worker takes it (the lane's worker may be gone)."""
+    """Every restore of a message (a closed channel's, recovery's) goes through kombu's
+    `_do_restore_message`: one received from a worker's lane goes back to the shared queue
+    instead, where any worker takes it (the lane's worker may be gone)."""
     if getattr(kombu_redis.Channel, "_genq_unlanes", False):
         return
     restore = kombu_redis.Channel._do_restore_message
@@ -202,60 +216,12 @@ def unlane_restores() -> None:
     kombu_redis.Channel._genq_unlanes = True
 
 
-def lean_acks() -> None:
-    """kombu's Redis QoS writes each received message into `unacked` (ZADD to its index, HSET
-    of the message) and takes it out on ack (ZREM, HDEL), each pair in MULTI/EXEC: four of a
-    job's Redis commands (docs/benchmarks.md, "Redis commands per job"). The pairs go in one
-    plain pipeline now, in an order whose halves are harmless: the index entry first on
-    receipt and the message first on ack, so a reader between the two (a restore, recovery's
-    `_held`) sees an index entry without its message, which it drops, as it would the entry of
-    a message being acknowledged, and never a message without its index entry, which the
-    visibility timeout would not restore. No restore takes a message received less than the
-    visibility timeout ago, and kombu's `restore_by_tag` WATCHes `unacked` (an ack between
-    its read and its write makes it read again)."""
-    qos = kombu_redis.QoS
-    if getattr(qos, "_genq_lean_acks", False):
-        return
-
-    def append(self, message, delivery_tag):
-        delivery = message.delivery_info
-        raw = kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
-        with self.channel.conn_or_acquire() as client:
-            pipe = client.pipeline(transaction=False)
-            pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
-            pipe.hset(self.unacked_key, delivery_tag, raw)
-            pipe.execute()
-        kombu_redis.virtual.QoS.append(self, message, delivery_tag)
-
-    def ack(self, delivery_tag):
-        with self.channel.conn_or_acquire() as client:
-            pipe = client.pipeline(transaction=False)
-            pipe.hdel(self.unacked_key, delivery_tag)
-            pipe.zrem(self.unacked_index_key, delivery_tag)
-            pipe.execute()
-        kombu_redis.virtual.QoS.ack(self, delivery_tag)
-
-    qos.append, qos.ack = append, ack
-    qos._genq_lean_acks = True
-
-
-# -- the channel's internals worker/recovery.py restores messages with -----------------------
+# -- the channel's internals worker/recovery.py reads ------------------------------------------
 
 
 def priority_lists(channel, queue: str, steps: Iterable[int]) -> list[str]:
     """The Redis lists a channel keeps `queue`'s messages in, one per priority step."""
     return [channel._q_for_pri(queue, step) for step in steps]
-
-
-def forget_unacked(channel, tag: str, pipe) -> None:
-    """Take a delivery tag out of `unacked` and its index, in `pipe`."""
-    channel.qos._remove_from_indices(tag, pipe)
-
-
-def restore_message(channel, payload: dict, exchange: str, routing_key: str, pipe) -> None:
-    """Put a message back at the front of its queue, in the list its own priority names and
-    marked redelivered, in `pipe`: kombu's own restore path."""
-    channel._do_restore_message(payload, exchange, routing_key, pipe, leftmost=False)
 
 
 # -- a task message built by hand ----------------------------------------------------------

@@ -36,9 +36,12 @@ NONE: Counts = (0, 0, 0)
 # job's tokens when that call will move the job, i.e. its status is one of ARGV[2] and, with a
 # fence (ARGV[5]), the fence is its current attempt (ARGV[4] is '0': no attempt starts). It
 # takes its own arguments off the end of ARGV first: the counts ("<prompt> <completion>
-# <cached>") and the prefix of the owners' token windows (keys.rate). KEYS[#KEYS]: the usage
-# hash (keys.USAGE).
+# <cached>"), the prefix of the owners' token windows (keys.rate) and that of the usage rows
+# (keys.usage_row). KEYS[#KEYS]: the set of usage rows (keys.USAGE). One BITFIELD adds a job's
+# four counts to its row (docs/benchmarks.md, "Redis commands per job"); a row's first job
+# adds the row to the set.
 COUNT = """
+local row_prefix = table.remove(ARGV)
 local tpm_prefix = table.remove(ARGV)
 local counts = table.remove(ARGV)
 local ok = false
@@ -48,13 +51,12 @@ end
 if ok and ARGV[5] ~= '' and raw_attempts ~= ARGV[5] then ok = false end
 if ok then
   local who = owner or ''
-  local base = who .. '\\t' .. (model or '') .. '\\t'
+  local row = who .. '\\t' .. (model or '')
   local p, c, k = string.match(counts, '^(%d+) (%d+) (%d+)$')
   p, c, k = tonumber(p), tonumber(c), tonumber(k)
-  redis.call('HINCRBY', KEYS[#KEYS], base .. 'jobs', 1)
-  redis.call('HINCRBY', KEYS[#KEYS], base .. 'prompt_tokens', p)
-  redis.call('HINCRBY', KEYS[#KEYS], base .. 'completion_tokens', c)
-  if k > 0 then redis.call('HINCRBY', KEYS[#KEYS], base .. 'cached_tokens', k) end
+  local jobs = redis.call('BITFIELD', row_prefix .. row, 'INCRBY', 'i64', '#0', 1, 'INCRBY', 'i64', '#1', p,
+    'INCRBY', 'i64', '#2', c, 'INCRBY', 'i64', '#3', k)[1]
+  if jobs == 1 then redis.call('SADD', KEYS[#KEYS], row) end
   if who ~= '' and p + c > 0 then
     local w = tpm_prefix .. who
     redis.call('HINCRBY', w, redis.call('TIME')[1], p + c)
@@ -66,7 +68,11 @@ end
 
 def count_args(prompt: int, completion: int, cached: int) -> list[str]:
     """What COUNT takes off the end of ARGV."""
-    return [f"{int(prompt)} {int(completion)} {int(cached)}", keys.key_prefix(lambda o: keys.rate(TPM, o))]
+    return [
+        f"{int(prompt)} {int(completion)} {int(cached)}",
+        keys.key_prefix(lambda o: keys.rate(TPM, o)),
+        keys.key_prefix(keys.usage_row),
+    ]
 
 
 def counts_of(result: dict | None) -> Counts | None:
@@ -165,13 +171,16 @@ class Usage:
 
 def read_usage(client: redis.Redis) -> list[Usage]:
     """The counts of every owner, by owner and model; an open API's jobs under ANONYMOUS."""
-    rows: dict[tuple[str, str], Usage] = {}
-    for field, value in client.hgetall(keys.USAGE).items():
-        field = field.decode() if isinstance(field, bytes) else field
-        who, _, rest = field.partition("\t")
-        model, _, count = rest.rpartition("\t")
-        if count not in COUNTS:
-            continue
-        row = rows.setdefault((who, model), Usage(who or ANONYMOUS, model))
-        setattr(row, count, int(value))
-    return [rows[k] for k in sorted(rows)]
+    names = sorted(n.decode() if isinstance(n, bytes) else n for n in client.smembers(keys.USAGE))
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.execute_command("BITFIELD", keys.usage_row(name), *_GET_COUNTS)
+    rows = []
+    for name, counts in zip(names, pipe.execute() if names else [], strict=True):
+        who, _, model = name.partition("\t")
+        rows.append(Usage(who or ANONYMOUS, model, *(int(n or 0) for n in counts)))
+    return rows
+
+
+# BITFIELD's reads of a usage row's four counts, in COUNTS' order.
+_GET_COUNTS = [x for i in range(len(COUNTS)) for x in ("GET", "i64", f"#{i}")]

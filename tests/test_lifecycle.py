@@ -118,10 +118,10 @@ def test_make_run_launcher_serves_and_stops_everything_on_sigterm(tiny_model, tm
 
 
 def test_a_job_whose_worker_dies_is_delivered_again(make_stack):
-    # Redelivery waits for the visibility timeout; a short one keeps the test short. The sim
+    # The live worker publishes the dead one's job again once its heartbeat is stale. The sim
     # engine (10 ms a step): the job lasts 5 s on any machine, so it still runs at the kill (the
     # tiny model can end 500 tokens in half a second).
-    s = make_stack(GENQ_VISIBILITY_TIMEOUT="3", GENQ_ENGINE="sim", GENQ_SIM_STEP_MS="10")
+    s = make_stack(GENQ_ENGINE="sim", GENQ_SIM_STEP_MS="10")
     s.start_api()
     first = s.start_worker()
     s.wait_ready()

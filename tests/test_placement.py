@@ -166,13 +166,13 @@ def test_the_reconciler_counts_a_lanes_messages_as_queued_and_drains_lanes_of_wo
     p.keep_lane(a, queue)
     reaper = Reaper(app, store, Registry(store.r, 3), b, queue, placement=p)
     try:
-        assert reaper._stuck(queue, grace=0) == {}
+        assert reaper._stuck(queue, grace=0) == set()
         store.r.hdel(keys.LANES, a)  # unregistered: the job's message is nowhere the reconciler looks
-        assert reaper._stuck(queue, grace=0) == {spec.id: None}
+        assert reaper._stuck(queue, grace=0) == {spec.id}
         p.keep_lane(a, queue)
         assert reaper.drain_lanes(live={b}) == 1  # a is not alive
         assert [json.loads(x)["headers"]["id"] for x in store.r.lrange(queue_key(queue, 4), 0, -1)] == [spec.id]
-        assert reaper._stuck(queue, grace=0) == {}
+        assert reaper._stuck(queue, grace=0) == set()
     finally:
         reaper.reset()
         store.r.delete(keys.job(spec.id), keys.queued(queue))

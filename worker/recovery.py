@@ -1,14 +1,15 @@
 """Recovery of a dead or hung worker's jobs, by the workers that are still alive.
 
-Every live worker sweeps the registry each heartbeat: the in-flight messages of a worker whose
-heartbeat is older than `heartbeat_ttl` (on Redis's clock) go back to the front of their queue
-at once through kombu's own restore path, each once, with a fresh delivery tag, instead of
-waiting for the visibility timeout (which stays as the last resort). A job that has used up
-GENQ_MAX_ATTEMPTS fails (`worker_lost`); an attempt lost beside other jobs is forgiven, and a
-job forgiven SOLO_AFTER_FORGIVEN times runs alone. Every GENQ_RECONCILE_INTERVAL each worker
-also compares the job records with what the broker holds (`Reaper.reconcile`) and restores or
-publishes again a job found adrift on two passes in a row. A gone worker's lane (cache-aware
-placement) is drained into its shared queue.
+kombu's ack emulation is off (tasks/celery_app.py): a message a worker has taken is in its
+memory only, and a job is found by its record, its queue's queued set (while it waits) and its
+worker's in-flight hash (from its start until it ends or its next attempt starts). Every live
+worker sweeps the registry each heartbeat: the in-flight jobs of a worker whose heartbeat is
+older than `heartbeat_ttl` (on Redis's clock) are published again at once from their records.
+A job that has used up GENQ_MAX_ATTEMPTS fails (`worker_lost`); an attempt lost beside other
+jobs is forgiven, and a job forgiven SOLO_AFTER_FORGIVEN times runs alone. Every
+GENQ_RECONCILE_INTERVAL each worker also compares the job records with what the broker holds
+(`Reaper.reconcile`) and publishes again a job found adrift on two passes in a row. A gone
+worker's lane (cache-aware placement) is drained into its shared queue.
 
 How and why, case by case: docs/reliability.md, "How a lost worker's jobs are recovered".
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable, Collection
 
 import redis
@@ -28,7 +28,7 @@ from tasks import keys
 from tasks.celery_app import PRIORITY_STEPS, publish_job
 from tasks.fair import FairLines
 from tasks.jobs import JobStore
-from tasks.kombu_compat import forget_unacked, priority_lists, restore_message
+from tasks.kombu_compat import priority_lists
 from tasks.placement import Placement
 from tasks.registry import Registry
 from tasks.schemas import JobStatus
@@ -107,7 +107,7 @@ class Reaper:
             restored += self._recover_job(keys.inflight(worker), job_id, tag, job_id in forgiven)
         if inflight:
             log.warning(
-                "worker %s stopped answering; %d of its %d jobs restored to their queues",
+                "worker %s stopped answering; %d of its %d jobs published again",
                 worker,
                 restored,
                 len(inflight),
@@ -132,37 +132,6 @@ class Reaper:
         counted = int(rec.get("attempts", 0)) - int(rec.get("forgiven") or 0) - forgive
         return counted >= self.store.max_attempts, counted
 
-    def restore(self, job_id: str, tag: str, status: JobStatus = JobStatus.running, forgive: bool = False) -> bool:
-        """Put one job's unacknowledged message back in its queue if the job is still `status`
-        (running: its worker is lost; queued: its worker received it and never started it),
-        or fail the job if it is out of attempts. `forgive`: this attempt does not count
-        against them (`forgive`). False when there was nothing to restore."""
-        rec = self.store.get(job_id)
-        running = rec is not None and rec["status"] == status.value
-        attempts = int(rec.get("attempts", 0)) if rec else 0
-        forgive = forgive and status is JobStatus.running
-        exhausted, counted = self._exhausted(rec, forgive) if running else (False, 0)
-        exhausted = status is JobStatus.running and exhausted
-        if exhausted and self.store.give_up(job_id, attempts, counted):
-            log.warning("job %s failed: its worker was lost on %d of its attempts that count", job_id, counted)
-        channel = self._channel()
-
-        def move(pipe):
-            raw = pipe.hget(channel.unacked_key, tag)
-            pipe.multi()
-            forget_unacked(channel, tag, pipe)
-            if raw and running and not exhausted:
-                payload, exchange, routing_key = loads(raw)
-                payload["properties"]["delivery_tag"] = str(uuid.uuid4())
-                restore_message(channel, payload, exchange, routing_key, pipe)
-                if forgive:
-                    pipe.hincrby(keys.job(job_id), "forgiven", 1)
-            return bool(raw)
-
-        with channel.conn_or_acquire() as client:
-            found = client.transaction(move, channel.unacked_key, value_from_callable=True)
-        return bool(found and running and not exhausted)
-
     # -- reconciling records with the broker ----------------------------------------------
 
     def reconcile(self) -> int:
@@ -183,11 +152,8 @@ class Reaper:
                 for job_id, tag in inflight.items():
                     adrift[job_id] = lambda j=job_id, t=tag, k=key, f=job_id in forgiven: self._recover_one(k, j, t, f)
         if self.queue:
-            for job_id, tag in self._stuck(self.queue).items():
-                if tag is None:
-                    adrift[job_id] = lambda j=job_id: self.republish(j, JobStatus.queued)
-                else:
-                    adrift[job_id] = lambda j=job_id, t=tag: self._restore_unstarted(j, t)
+            for job_id in self._stuck(self.queue):
+                adrift[job_id] = lambda j=job_id: self.republish(j, JobStatus.queued)
         done = 0
         for job_id, act in adrift.items():
             if job_id in self._adrift:
@@ -196,61 +162,51 @@ class Reaper:
         return done
 
     def _recover_one(self, inflight_key: str, job_id: str, tag: str, forgive: bool = False) -> bool:
-        log.warning("job %s is in flight on no running worker; recovering it", job_id)
+        """A job in flight on no running worker: published again unless its message waits on
+        its queue (`republish` says so when it publishes)."""
         return self._recover_job(inflight_key, job_id, tag, forgive)
 
     def _recover_job(self, inflight_key: str, job_id: str, tag: str, forgive: bool = False) -> bool:
-        """Restore (or, if its message is gone, publish again) one job a lost worker had in
-        flight, and take it off that worker's in-flight hash.
+        """Publish again one job a lost worker had in flight (or fail it, out of attempts).
 
-        Every live worker sweeps (several stacks may share a Redis): one of them recovers a
-        given job, the one holding its recovery lock, and only while the job is still in the
-        lost worker's hash. Without that, a second sweeper that read the hash before the first
-        one cleared it would find the message gone from `unacked` (restored) and could publish
-        it again while a consumer holds it between its BRPOP and its `unacked` write: the job
-        would run three times."""
+        Its entry stays in the lost worker's in-flight hash until its next attempt starts
+        (tasks/jobs.py: a start takes the job off its last worker's hash) or it ends: should the
+        worker that takes the new message die before it starts the job, the entry is still
+        there, and the reconciler publishes the job again. Every live worker sweeps (several
+        stacks may share a Redis): one of them recovers a given job, the one holding its
+        recovery lock, and only while the job is still in the lost worker's hash; `republish`
+        publishes one message per job per 30 s at most, and none while one waits on its queue."""
         lock = self.store.r.lock(keys.recovering(job_id), timeout=30, blocking=False)
         if not lock.acquire():
             return False  # another worker is on it; if it dies, the reconciler finds the entry
         try:
             if not self.store.r.hexists(inflight_key, job_id):
                 return False
-            found = self.restore(job_id, tag, forgive=forgive) or self.republish(job_id, JobStatus.running, forgive)
-            self.store.r.hdel(inflight_key, job_id)
-            return found
+            rec = self.store.get(job_id)
+            if rec is None or JobStatus(rec["status"]).terminal:
+                self.store.r.hdel(inflight_key, job_id)  # it ended meanwhile
+                return False
+            return self.republish(job_id, JobStatus.running, forgive)
         finally:
             try:
                 lock.release()
             except redis.exceptions.LockError:
                 pass
 
-    def _restore_unstarted(self, job_id: str, tag: str) -> bool:
-        log.warning("job %s was received by a worker that never started it; restoring it", job_id)
-        return self.restore(job_id, tag, JobStatus.queued)
-
-    def _stuck(self, queue: str, grace: float = 5.0) -> dict[str, str | None]:
+    def _stuck(self, queue: str, grace: float = 5.0) -> set[str]:
         """Jobs recorded as queued on `queue` (for `grace` seconds at least) whose message is
-        in none of the queue's lists (nor lines): those in `unacked` for `grace` seconds, with their tags
-        (a worker received them and did not start them: a live one starts what it receives
-        at once, as it reserves no more than it has threads), and the rest, with None (their
-        message is nowhere)."""
-        now = time.time()
-        waiting = self.store.r.zrangebyscore(keys.queued(queue), "-inf", now - grace)
+        in none of the queue's lists (nor lines): lost, or taken by a worker that never started
+        them (a live one starts what it receives at once, as it reserves no more than it has
+        threads)."""
+        waiting = self.store.r.zrangebyscore(keys.queued(queue), "-inf", time.time() - grace)
         if not waiting:
-            return {}
-        listed, unacked = self._held(queue)
-        stuck: dict[str, str | None] = {}
-        for job_id in set(waiting) - listed:
-            tag, delivered = unacked.get(job_id, (None, 0.0))
-            if tag is None or delivered < now - grace:
-                stuck[job_id] = tag
-        return stuck
+            return set()
+        return set(waiting) - self._held(queue)
 
-    def _held(self, queue: str) -> tuple[set[str], dict[str, tuple[str, float]]]:
-        """What the broker holds for `queue`, in one atomic look: the ids of the jobs whose
-        messages wait in one of its priority lists (its lanes' included), and those delivered
-        and not acknowledged (any queue's), with their delivery tags and times. Messages in the
-        keys' lines (tasks/fair.py) count as in the queue: read first, as they only move on."""
+    def _held(self, queue: str) -> set[str]:
+        """The ids of the jobs whose messages wait on `queue`, in one atomic look at its
+        priority lists (its lanes' included). Messages in the keys' lines (tasks/fair.py)
+        count as on the queue: read first, as they only move on."""
         lined = self.fair.waiting_ids(queue)
         channel = self._channel()
         lanes = [keys.lane(queue, w) for w, shared in self.placement.lanes().items() if shared == queue]
@@ -259,16 +215,8 @@ class Reaper:
             pipe = client.pipeline(transaction=True)
             for name in lists:
                 pipe.lrange(name, 0, -1)
-            pipe.hgetall(channel.unacked_key)
-            pipe.zrange(channel.unacked_index_key, 0, -1, withscores=True)
-            *queued, unacked, index = pipe.execute()
-        listed = lined | {_message_id(loads(raw)) for msgs in queued for raw in msgs}
-        times = {(t.decode() if isinstance(t, bytes) else t): score for t, score in index}
-        held: dict[str, tuple[str, float]] = {}
-        for tag, raw in unacked.items():
-            tag = tag.decode() if isinstance(tag, bytes) else tag
-            held[_message_id(loads(raw)[0])] = (tag, times.get(tag, 0.0))
-        return listed, held
+            queued = pipe.execute()
+        return lined | {_message_id(loads(raw)) for msgs in queued for raw in msgs}
 
     def republish(self, job_id: str, status: JobStatus, forgive: bool = False) -> bool:
         """Publish a job's message again from its record, if the record is still `status`
@@ -290,8 +238,7 @@ class Reaper:
         # Every worker on the queue reconciles it: one of them publishes.
         if not self.store.r.set(keys.republishing(job_id), self.me, nx=True, ex=30):
             return False
-        listed, unacked = self._held(rec["queue"])
-        if job_id in listed or job_id in unacked:
+        if job_id in self._held(rec["queue"]):
             return False
         publish_job(self.app, spec, rec["queue"])
         if forgive:

@@ -130,8 +130,9 @@ class WorkerTask(Task):
             log.warning("could not note job %s's prefixes for placement: %s", spec.id, exc)
 
     def _refill(self) -> None:
-        """A message left the queue's list: refill it from the keys' lines (tasks/fair.py).
-        If this fails, the next job's or the heartbeat's refill does it."""
+        """A message left the queue's list and no job starts: refill it from the keys' lines
+        (tasks/fair.py; a job that starts does so in its start's call). If this fails, the
+        next job's or the heartbeat's refill does it."""
         if self.fair is None:
             return
         try:
@@ -160,14 +161,16 @@ def register(app: Celery) -> None:
     @app.task(name=GENERATE_TASK, base=WorkerTask, bind=True)
     def generate(self: WorkerTask, job: dict) -> dict:
         spec = JobSpec.model_validate(job)
-        self._refill()
         if spec.deadline is not None and time.time() >= spec.deadline:
+            self._refill()
             self.store.expire(spec.id, allowed=ACTIVE)
             raise Ignore()
         tag = (self.request.properties or {}).get("delivery_tag", "")
         self.running[spec.id] = tag  # before Redis says so: never in-flight and unknown here
         try:
-            attempt = self.store.start(spec.id, self.worker_name, tag)
+            # A message left the queue's list: the same call refills it from the keys' lines.
+            fill = self.fair.fill_args(self.queue) if self.fair is not None else None
+            attempt = self.store.start(spec.id, self.worker_name, tag, fill)
         except BaseException:
             self.running.pop(spec.id, None)
             raise
