@@ -369,6 +369,7 @@ class Stack:
 def job_stats(r, model: str, t0: float, t1: float) -> dict:
     """Queue wait, run time and batch size of this model's jobs that finished in [t0, t1]."""
     from tasks import keys
+    from tasks.jobs import DONE_RESULT
 
     prefix = keys.job("")
     ids = [k[len(prefix) :] for k in r.scan_iter(keys.job("*"), count=1000)]
@@ -381,9 +382,11 @@ def job_stats(r, model: str, t0: float, t1: float) -> dict:
             picked.append((i, float(created), float(started), float(finished)))
     batches = []
     if picked:
-        for raw in r.mget([f"celery-task-meta-{i}" for i, *_ in picked]):
+        for i, *_ in picked:
+            pipe.xrevrange(keys.done(i), count=1)
+        for done in pipe.execute():
             try:
-                batches.append(json.loads(raw)["result"]["batch_size"])
+                batches.append(json.loads(done[0][1][DONE_RESULT])["result"]["batch_size"])
             except (TypeError, ValueError, KeyError):
                 pass
     queued = [s - c for _, c, s, _ in picked]

@@ -47,7 +47,6 @@ MARKER = marker("bench.reliability")
 INTRO = intro("Reliability", "bench.reliability")
 BATCH = 16  # GENQ_MAX_BATCH_SIZE of every worker
 TARGET_S = 60  # issue 7: a lost worker's jobs are done elsewhere within a minute
-RESULT_KEY = "celery-task-meta-{}"  # where Celery's Redis result backend keeps a job's result
 FINAL = ("succeeded", "failed", "cancelled")
 DEFAULT_BEAT = {"GENQ_HEARTBEAT_INTERVAL": "2", "GENQ_HEARTBEAT_TTL": "10"}  # the defaults
 QUICK_BEAT = {"GENQ_HEARTBEAT_INTERVAL": "0.5", "GENQ_HEARTBEAT_TTL": "3"}  # the tests' stacks'
@@ -140,7 +139,7 @@ class Fleet(Stack):
 
     def fingerprint(self, job_id: str) -> list:
         """What a client sees of a job (record and result), the stored result, the token stream."""
-        return [self.view(job_id), self.r.get(RESULT_KEY.format(job_id)), self.r.xrange(keys.stream(job_id))]
+        return [self.view(job_id), self.r.xrange(keys.done(job_id)), self.r.xrange(keys.stream(job_id))]
 
     def message_of(self, job_id: str) -> str:
         """Where a job's broker message is: a queue list, or none (taken by a worker, which

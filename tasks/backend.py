@@ -4,6 +4,9 @@
   that a later `AsyncResult.get()` can wake up; genqueue never blocks that way (waiters block
   on the job's `genq:done:<id>` stream, see tasks/jobs.py), and an API process that sends
   thousands of jobs would otherwise hold one idle subscription per job.
+- A succeeded job's result goes where the job's final status goes, in the same Lua call: into
+  its done stream's entry (tasks/jobs.py `succeed`), which answers a waiter in one command;
+  `AsyncResult` finds it there. Failures are stored as Celery stores them.
 - A worker stores a result only while its attempt is the job's current one (a fence). A
   worker that hung, was given up for dead and whose job ran again elsewhere must not replace
   that result when it wakes up. The check and the write are one Lua call, which also replaces
@@ -19,6 +22,7 @@ from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
 from tasks import keys
+from tasks.jobs import DONE_RESULT
 from tasks.usage import NONE, counts_of
 
 if TYPE_CHECKING:
@@ -51,13 +55,21 @@ class NoSubscribeRedisBackend(RedisBackend):
         meta["task_id"] = bytes_to_str(task_id)
         expires = self.failure_expires if state == states.FAILURE else self.expires
         if state == states.SUCCESS and self.job_store is not None:
-            key = bytes_to_str(self.get_key_for_task(task_id))
             counts = counts_of(result) or NONE  # its tokens, counted to its owner's usage
-            self.ensure(self.job_store.succeed, (task_id, attempt, key, self.encode(meta), int(expires or 0), counts))
+            self.ensure(self.job_store.succeed, (task_id, attempt, self.encode(meta), counts))
             request.genq_finished = True
             return result
         self.ensure(self._fenced_set, (task_id, self.encode(meta), expires, attempt))
         return result
+
+    def _get_task_meta_for(self, task_id):
+        """`AsyncResult(job_id)`'s look: a succeeded job's result is in its done stream's entry
+        (tasks/jobs.py `succeed`); anything else under Celery's own key."""
+        entries = self.client.xrevrange(keys.done(bytes_to_str(task_id)), count=1)
+        fields = {bytes_to_str(k): v for k, v in entries[0][1].items()} if entries else {}
+        if DONE_RESULT in fields:
+            return self.decode_result(fields[DONE_RESULT])
+        return super()._get_task_meta_for(task_id)
 
     def _fenced_set(self, task_id, value, expires, attempt) -> bool:
         if self._fenced_set_script is None:

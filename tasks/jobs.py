@@ -1,10 +1,12 @@
 """Job records in Redis: one hash per job id, written by the API and advanced by workers.
 
 Celery calls every id it has never seen PENDING; this record is what makes an unknown id a
-404, and it carries status, timings and errors. The result itself lives in Celery's result
-backend. Status changes go through one Lua script so that, for example, a job cancelled while
-queued is never marked running by the worker that picks it up afterwards. A final status also
-writes a one-entry stream `genq:done:<id>`, which any number of waiters block on with XREAD.
+404, and it carries status, timings and errors. Status changes go through one Lua script so
+that, for example, a job cancelled while queued is never marked running by the worker that
+picks it up afterwards. A final status also writes a one-entry stream `genq:done:<id>`, which
+any number of waiters block on with XREAD: its entry holds the final record (all but the spec)
+and a succeeded job's result (the result backend's, tasks/backend.py), so one XREAD answers a
+waiter.
 """
 
 from __future__ import annotations
@@ -38,8 +40,19 @@ from tasks.usage import COUNT, NONE, Counts, count_args
 # Each script that moves a job starts with RECORD (the fields it needs, in one HMGET) and
 # changes the record in one HSET (docs/benchmarks.md, "Redis commands per job").
 RECORD = """
+local rec, done_extra = nil, {}
 local cur, raw_attempts, raw_forgiven, id, worker, queue, owner, model, callback_url = unpack(redis.call('HMGET',
   KEYS[1], 'status', 'attempts', 'forgiven', 'id', 'worker', 'queue', 'owner', 'model', 'callback_url'))
+"""
+# RECORD for the scripts that end jobs: the whole record (`rec`), which the done stream's entry
+# copies (all but the spec) once the job is final, so that a waiter reads the job from the
+# stream alone (`JobStore.get`).
+RECORD_ALL = """
+local rec, done_extra = {}, {}
+local flat = redis.call('HGETALL', KEYS[1])
+for i = 1, #flat, 2 do rec[flat[i]] = flat[i + 1] end
+local cur, raw_attempts, raw_forgiven, id, worker, queue, owner, model, callback_url = rec.status, rec.attempts,
+  rec.forgiven, rec.id, rec.worker, rec.queue, rec.owner, rec.model, rec.callback_url
 """
 _TRANSITION = """
 if not cur then return false end
@@ -75,7 +88,16 @@ if moved == 1 and ARGV[4] == '1' then
   end
 end
 if ttl ~= '' then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'status', to)
+  local entry = {'status', to}
+  if rec then
+    for i = 1, #set, 2 do rec[set[i]] = set[i + 1] end
+    entry = {}
+    for k, v in pairs(rec) do
+      if k ~= 'spec' then entry[#entry + 1] = k; entry[#entry + 1] = v end
+    end
+  end
+  for i = 1, #done_extra do entry[#entry + 1] = done_extra[i] end
+  redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', unpack(entry))
   redis.call('EXPIRE', KEYS[2], ttl)
   if callback_url and callback_url ~= '' then redis.call('ZADD', KEYS[4], 'NX', ARGV[11], 'job:' .. id) end
 end
@@ -85,17 +107,15 @@ return {moved, cur, attempts, forgiven}
 # The keys _TRANSITION names from the record's own queue, owner and worker, as ARGV 12-14.
 _KEY_PREFIXES = [keys.key_prefix(keys.queued), keys.key_prefix(keys.queued_by), keys.key_prefix(keys.inflight)]
 
-# _TRANSITION to succeeded, with the job's result written in the same call: the result
-# backend's SET, fenced like tasks/backend.py's (only while the writer's attempt, ARGV[5], is
-# the job's current one). KEYS: as _TRANSITION, then the result key (5th) and the usage hash. ARGV: as _TRANSITION, then
-# the encoded result and its expiry in seconds ('0' = none). One round trip where the result
-# and the final status took two; the client woken by the status still finds the result.
+# _TRANSITION to succeeded, with the job's result (the result backend's encoded meta, as Celery
+# would SET it under its own key) in the done stream's entry, as its DONE_RESULT field: written
+# only as the job moves, so fenced like every transition (only while the writer's attempt,
+# ARGV[5], is the job's current one). KEYS: as _TRANSITION, then the usage rows. ARGV: as
+# _TRANSITION, then the encoded result. The result lives as long as the job's record does;
+# the client woken by the entry finds it there (docs/benchmarks.md, "Redis commands per job").
 _SUCCEED = (
     """
-local ex = table.remove(ARGV)
-local value = table.remove(ARGV)
-if raw_attempts == ARGV[5] and ex == '0' then redis.call('SET', KEYS[5], value)
-elseif raw_attempts == ARGV[5] then redis.call('SET', KEYS[5], value, 'EX', ex) end
+done_extra = {'DONE_RESULT', table.remove(ARGV)}
 """
     + _TRANSITION
 )
@@ -148,6 +168,10 @@ return {depth, owned, 0}
 
 ACTIVE = (JobStatus.queued, JobStatus.running)
 
+# The field of a succeeded job's done-stream entry that holds its result (_SUCCEED).
+DONE_RESULT = "celery_meta"
+_SUCCEED = _SUCCEED.replace("DONE_RESULT", DONE_RESULT)
+
 # Where `JobStore.get(..., result_key=...)` puts the result key's raw value (not a field).
 RESULT_RAW = "\0result-raw"
 Raw = str | bytes
@@ -174,8 +198,9 @@ class JobStore:
         self._start_filling = client.register_script(FILL_FIRST + RECORD + _TRANSITION)  # tasks/fair.py
         self._create = client.register_script(PLAIN_PUSH_LUA + _CREATE)
         self._create_fair = client.register_script(PUSH_LUA + _CREATE)
-        self._succeed = client.register_script(RECORD + COUNT + _SUCCEED)
-        self._counted = client.register_script(RECORD + COUNT + _TRANSITION)  # counts tokens (tasks/usage.py)
+        self._end = client.register_script(RECORD_ALL + _TRANSITION)
+        self._succeed = client.register_script(RECORD_ALL + COUNT + _SUCCEED)
+        self._counted = client.register_script(RECORD_ALL + COUNT + _TRANSITION)  # counts tokens (tasks/usage.py)
         self._solo = client.register_script(_SOLO)
 
     def create(
@@ -222,28 +247,35 @@ class JobStore:
     def get(
         self, job_id: str, result_key: str | bytes | None = None, block_ms: int | None = None
     ) -> dict[str, str] | None:
-        """The job's record. With `result_key` (the result backend's key of the job), that
-        key's raw value comes in the same round trip, under RESULT_RAW (None if absent): read
-        after the record, so a record that says succeeded finds the result there.
+        """The job's record. With `result_key`, its result (the result backend's encoded meta)
+        comes with it, under RESULT_RAW (None if there is none): from the job's done stream,
+        read in the same round trip, after the record, so a record that says succeeded finds
+        it there; `result_key` is where an older genqueue's result backend kept it (looked at
+        only for a succeeded job whose done entry has none).
 
-        `block_ms`: first wait up to that long for the job's done stream, in the same round
-        trip: Redis runs a connection's pipelined commands in order, so the record is read
-        once the stream has its entry (the job is final) or the block has run out."""
-        if result_key is None and block_ms is None:
-            rec = self.r.hgetall(keys.job(job_id))
-            return rec or None
-        pipe = (self.r if block_ms is None else self.blocking).pipeline(transaction=False)
+        `block_ms`: first wait up to that long for the job's done stream. Its entry holds the
+        final record (all but the spec) and the result: one command answers a waiter. An
+        entry without the record (a job failed at its start, out of attempts) or no entry
+        (the block ran out) and the record is read."""
         if block_ms is not None:
-            pipe.xread({keys.done(job_id): "0"}, block=block_ms, count=1)
+            reply = self.blocking.xread({keys.done(job_id): "0"}, block=block_ms, count=1)
+            if reply and "id" in (fields := reply[0][1][-1][1]):
+                rec = dict(fields)
+                raw = rec.pop(DONE_RESULT, None)
+                if result_key is not None:
+                    rec[RESULT_RAW] = raw
+                return rec
+        if result_key is None:
+            return self.r.hgetall(keys.job(job_id)) or None
+        pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(keys.job(job_id))
-        if result_key is not None:
-            pipe.get(result_key)
-        replies = pipe.execute()[0 if block_ms is None else 1 :]
-        rec = replies[0]
+        pipe.xrevrange(keys.done(job_id), count=1)
+        rec, done = pipe.execute()
         if not rec:
             return None
-        if result_key is not None:
-            rec[RESULT_RAW] = replies[1]
+        rec[RESULT_RAW] = done[0][1].get(DONE_RESULT) if done else None
+        if rec[RESULT_RAW] is None and rec.get("status") == JobStatus.succeeded.value:
+            rec[RESULT_RAW] = self.r.get(result_key)  # an older genqueue's result backend key
         return rec
 
     def _move(
@@ -254,7 +286,7 @@ class JobStore:
         fence: int | None = None,
         worker: str = "",
         tag: str = "",
-        _result: tuple[str | bytes, str | bytes, int] | None = None,
+        _result: Raw | None = None,
         _counts: Counts | None = None,
         _fill: list | None = None,
         **fields: Any,
@@ -263,10 +295,10 @@ class JobStore:
         for k, v in fields.items():
             v = v.stored() if isinstance(v, JobError) else v
             flat += [k, v if isinstance(v, str) else json.dumps(v)]
-        script, extra_keys = self._transition, []
+        script, extra_keys = (self._end if to.terminal else self._transition), []
         if _result is not None:
-            script, extra_keys = self._succeed, [_result[0], keys.USAGE]
-            flat += [_result[1], str(_result[2]), *count_args(*(_counts or NONE))]
+            script, extra_keys = self._succeed, [keys.USAGE]
+            flat += [_result, *count_args(*(_counts or NONE))]
         elif _counts is not None:
             script, extra_keys = self._counted, [keys.USAGE]
             flat += count_args(*_counts)
@@ -342,21 +374,13 @@ class JobStore:
             fields["result"] = result
         return self.transition(job_id, status, ACTIVE, fence, _counts=counts, **fields)
 
-    def succeed(
-        self, job_id: str, attempt: int, result_key: Raw, value: Raw, expires: int, counts: Counts = NONE
-    ) -> bool:
-        """Store a job's result (the result backend's encoded value under its key, `expires`
-        seconds, 0 = no expiry) and mark the job succeeded, in one call, both only while
-        `attempt` is the job's current one (the status also only from queued or running), and
-        counts the job's tokens to its owner's usage (tasks/usage.py). Returns whether it moved."""
+    def succeed(self, job_id: str, attempt: int, value: Raw, counts: Counts = NONE) -> bool:
+        """Mark the job succeeded with its result (the result backend's encoded meta), which
+        goes into its done stream's entry (DONE_RESULT), only while `attempt` is the job's
+        current one (and the status queued or running), and count the job's tokens to its
+        owner's usage (tasks/usage.py), in one call. Returns whether it moved."""
         moved, _, _, _ = self._move(
-            job_id,
-            JobStatus.succeeded,
-            ACTIVE,
-            attempt,
-            _result=(result_key, value, int(expires or 0)),
-            _counts=counts,
-            finished=repr(time.time()),
+            job_id, JobStatus.succeeded, ACTIVE, attempt, _result=value, _counts=counts, finished=repr(time.time())
         )
         return moved == 1
 

@@ -14,28 +14,31 @@ import uuid
 import redis
 
 from tasks import keys
-from tasks.jobs import RESULT_RAW, JobStore
+from tasks.jobs import DONE_RESULT, RESULT_RAW, JobStore
 from tasks.schemas import JobStatus
 from tests.helpers import queued_job
 
 
 def test_succeed_writes_result_and_status_only_for_the_current_attempt(store):
     job = queued_job(store)
-    result_key = f"celery-task-meta-{job}"
     assert store.start(job, "w1", "t1").number == 1
     assert store.start(job, "w2", "t2").number == 2
-    assert store.succeed(job, 1, result_key, '{"stale": true}', 600) is False
-    assert store.r.get(result_key) is None
+    assert store.succeed(job, 1, '{"stale": true}') is False
+    assert store.r.xlen(keys.done(job)) == 0
     rec = store.get(job)
     assert rec["status"] == JobStatus.running.value and "finished" not in rec
-    assert store.succeed(job, 2, result_key, '{"result": 1}', 600) is True
+    assert store.succeed(job, 2, '{"result": 1}') is True
     rec = store.get(job)
     assert rec["status"] == JobStatus.succeeded.value and rec["finished"]
-    assert store.r.get(result_key) == '{"result": 1}' and 0 < store.r.ttl(result_key) <= 600
+    # The result is in the done stream's one entry, beside the final record (not its spec).
+    ((_, entry),) = store.r.xrange(keys.done(job))
+    assert entry[DONE_RESULT] == '{"result": 1}' and 0 < store.r.ttl(keys.done(job)) <= 600
+    assert {k: v for k, v in entry.items() if k != DONE_RESULT} == {k: v for k, v in rec.items() if k != "spec"}
+    assert "spec" in rec and "spec" not in entry
     assert store.r.hgetall(keys.inflight("w2")) == {}
-    assert store.r.xlen(keys.done(job)) == 1
     # A final job's status stays; a late writer of the same attempt does not move it back.
-    assert store.succeed(job, 2, result_key, '{"result": 2}', 0) is False
+    assert store.succeed(job, 2, '{"result": 2}') is False
+    assert store.r.xrange(keys.done(job))[0][1][DONE_RESULT] == '{"result": 1}'
 
 
 def test_get_with_result_key_reads_the_record_and_the_result_together(store):
@@ -44,10 +47,15 @@ def test_get_with_result_key_reads_the_record_and_the_result_together(store):
     rec = store.get(job, result_key)
     assert rec["status"] == JobStatus.queued.value and rec[RESULT_RAW] is None
     store.start(job, "w1", "t1")
-    store.succeed(job, 1, result_key, '{"result": {"text": "x"}}', 600)
-    rec = store.wait(job, 1.0, exists=True, result_key=result_key)
-    assert rec["status"] == JobStatus.succeeded.value and rec[RESULT_RAW] == '{"result": {"text": "x"}}'
+    store.succeed(job, 1, '{"result": {"text": "x"}}')
+    for rec in (store.wait(job, 1.0, exists=True, result_key=result_key), store.get(job, result_key)):
+        assert rec["status"] == JobStatus.succeeded.value and rec[RESULT_RAW] == '{"result": {"text": "x"}}'
     assert store.get(str(uuid.uuid4()), result_key) is None
+    # A job an older genqueue finished: its result under the result backend's own key.
+    old = queued_job(store)
+    store.r.hset(keys.job(old), "status", JobStatus.succeeded.value)
+    store.r.set(f"celery-task-meta-{old}", '{"result": {"text": "old"}}', ex=60)
+    assert store.get(old, f"celery-task-meta-{old}")[RESULT_RAW] == '{"result": {"text": "old"}}'
 
 
 def test_wait_reads_the_final_record_in_the_round_trip_that_blocked(store, monkeypatch):
@@ -69,7 +77,7 @@ def test_wait_reads_the_final_record_in_the_round_trip_that_blocked(store, monke
     monkeypatch.setattr(store.r, "execute_command", command)
     monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
     other = JobStore(redis.Redis(connection_pool=store.r.connection_pool), ttl=600, max_attempts=3)
-    finisher = threading.Timer(0.3, other.succeed, (job, 1, result_key, '{"result": {"text": "y"}}', 600))
+    finisher = threading.Timer(0.3, other.succeed, (job, 1, '{"result": {"text": "y"}}'))
     finisher.start()
     try:
         began = time.monotonic()
@@ -79,12 +87,12 @@ def test_wait_reads_the_final_record_in_the_round_trip_that_blocked(store, monke
         finisher.join()
     assert rec["status"] == JobStatus.succeeded.value and rec[RESULT_RAW] == '{"result": {"text": "y"}}'
     assert 0.2 < waited < 5  # woken by the done stream, not by the end of a block
-    assert trips == ["pipeline"]
-    # A wait that runs out returns the record as it stands, still in one round trip a block.
+    assert trips == ["XREAD"]  # the entry holds the record and the result: one command
+    # A wait that runs out reads the record as it stands, with its result, in one more.
     job2 = queued_job(store)
     trips.clear()
     rec = store.wait(job2, 0.05, exists=True, result_key=result_key)
-    assert rec["status"] == JobStatus.queued.value and trips == ["pipeline"]
+    assert rec["status"] == JobStatus.queued.value and trips == ["XREAD", "pipeline"]
 
 
 def test_kombu_channels_reuse_their_redis_client(redis_url, monkeypatch):

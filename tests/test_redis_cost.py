@@ -22,8 +22,8 @@ JOBS = 120
 CLIENTS = 4
 IDLE_S = 3.0
 # The most Redis commands one blocking job may cost, all clients counted (docs/benchmarks.md:
-# 24.2 measured, 32.3 before kombu's ack emulation went, 73.1 before issue 34, item 5).
-MAX_COMMANDS_PER_JOB = 25
+# 21.2 measured, 32.3 before kombu's ack emulation went, 73.1 before issue 34, item 5).
+MAX_COMMANDS_PER_JOB = 22
 
 
 def commandstats(r: redis.Redis) -> dict[str, int]:

@@ -52,10 +52,10 @@ def test_a_job_is_counted_once_by_the_call_that_ends_it(store):
     assert store.start(job, "w1", "t1").number == 1
     assert store.start(job, "w2", "t2").number == 2  # its first worker was lost: delivered again
     # The lost attempt's late success neither moves the job nor counts.
-    assert store.succeed(job, 1, f"meta-{job}", "{}", 60, (7, 70, 0)) is False
+    assert store.succeed(job, 1, "{}", (7, 70, 0)) is False
     assert usage_of(store, owner, model) == {}
-    assert store.succeed(job, 2, f"meta-{job}", "{}", 60, (5, 3, 2)) is True
-    assert store.succeed(job, 2, f"meta-{job}", "{}", 60, (5, 3, 2)) is False  # already final
+    assert store.succeed(job, 2, "{}", (5, 3, 2)) is True
+    assert store.succeed(job, 2, "{}", (5, 3, 2)) is False  # already final
     expected = dict(key=owner, model=model, jobs=1, prompt_tokens=5, completion_tokens=3, cached_tokens=2)
     assert usage_of(store, owner, model) == {**expected, "total_tokens": 8}
     # A failed job that kept a partial result counts its tokens; a cancelled one nothing.
@@ -83,7 +83,7 @@ def test_an_open_apis_jobs_count_as_anonymous(store):
     model = f"m-{uuid.uuid4().hex[:8]}"
     job = owned_job(store, "", model)
     store.start(job, "w1", "t1")
-    assert store.succeed(job, 1, f"meta-{job}", "{}", 60, (1, 2, 0))
+    assert store.succeed(job, 1, "{}", (1, 2, 0))
     assert usage_of(store, ANONYMOUS, model)["total_tokens"] == 3
 
 
