@@ -120,8 +120,8 @@ class Stack:
 class Stacks:
     """Makes stacks and stops them all at once: at the end of the test, module or session of
     the fixture that holds it. A stack left running past its test keeps a worker heartbeating,
-    sweeping and (with a short GENQ_VISIBILITY_TIMEOUT) restoring other stacks' messages from
-    the shared Redis: later tests would see it."""
+    sweeping and reconciling, publishing other stacks' jobs again from the shared Redis: later
+    tests would see it."""
 
     def __init__(self, redis_url: str, model: Path, logs: Path):
         self.redis_url, self.model, self.logs = redis_url, model, logs

@@ -156,3 +156,20 @@ def queued_job(store, **params) -> str:
     spec = JobSpec(id=str(uuid.uuid4()), model="m", prompt="p", params=SamplingParams(**params))
     assert store.create([spec], f"genq.test-{uuid.uuid4().hex[:6]}", 10)[0]
     return spec.id
+
+
+def take_and_give_back(app, queue: str) -> str:
+    """What a worker's broker channel does with a message of `queue` it took and never started
+    a job for, as it closes (a dropped connection, a warm shutdown): kombu gives it back,
+    through tasks/kombu_compat.py's `guard_restores`. Returns the job id of the message."""
+    from kombu import Exchange, Queue
+
+    from tasks.kombu_compat import guard_restores
+
+    guard_restores(frozenset)  # as the worker has it; no job runs here
+    with app.connection_for_write() as conn:
+        channel = conn.channel()
+        msg = Queue(queue, Exchange(queue), queue)(channel).get(no_ack=False)
+        assert msg is not None, f"no message on {queue}"
+        channel.close()
+    return msg.headers["id"]

@@ -19,11 +19,11 @@ from scripts import stack as stackmod
 from tasks import keys
 from tasks.celery_app import PRIORITY_STEPS, job_message, make_celery
 from tasks.config import Settings, queue_for
-from tasks.kombu_compat import priority_lists, queue_key, restore_message
+from tasks.kombu_compat import priority_lists, queue_key
 from tasks.placement import Placement, digests
 from tasks.registry import Registry
 from tasks.schemas import ChatMessage, ChatOptions, JobSpec, SamplingParams
-from tests.helpers import submit
+from tests.helpers import submit, take_and_give_back
 
 STEPS = len(PRIORITY_STEPS)
 
@@ -141,13 +141,10 @@ def test_a_restore_from_a_lane_goes_to_the_shared_queue(placed, redis_url):
     spec = _spec("restored")
     lane = keys.lane(queue, a)
     m = job_message(app, spec, lane)
+    p.r.lpush(m.key, m.payload)
+    assert take_and_give_back(app, lane) == spec.id  # taken from the lane: its exchange is the lane's
     with app.connection_for_write() as conn:
         channel = conn.default_channel
-        with channel.conn_or_acquire() as client:
-            pipe = client.pipeline()
-            # As kombu records a delivery from the lane's queue: its exchange is the lane's.
-            restore_message(channel, json.loads(m.payload), lane, lane, pipe)
-            pipe.execute()
     lists = priority_lists(channel, queue, PRIORITY_STEPS)
     assert [json.loads(x)["headers"]["id"] for k in lists for x in p.r.lrange(k, 0, -1)] == [spec.id]
     assert not any(p.r.exists(k) for k in priority_lists(channel, lane, PRIORITY_STEPS))

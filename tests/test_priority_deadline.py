@@ -17,8 +17,8 @@ from scripts import stack as stackmod
 from tasks import keys
 from tasks.celery_app import GENERATE_TASK, broker_priority, make_sender
 from tasks.config import Settings, queue_for
-from tasks.kombu_compat import BROKER_SEP, restore_message
-from tests.helpers import sse_events, submit
+from tasks.kombu_compat import BROKER_SEP
+from tests.helpers import sse_events, submit, take_and_give_back
 
 LONG = {"prompt": "Hello", "max_new_tokens": 500, "ignore_eos": True}
 
@@ -157,9 +157,9 @@ def test_a_job_whose_deadline_passes_in_the_queue_never_runs(make_stack, redis_u
 
 
 def test_a_restored_message_goes_back_to_its_priority_sub_queue(redis_url, monkeypatch):
-    """worker/recovery.py restores through kombu's `_do_restore_message` (tasks/kombu_compat.py
-    `restore_message`), which must find the sub-queue the message's own priority names, with
-    the steps and separator configured here."""
+    """A closing channel gives a message it took back through kombu's `_do_restore_message`
+    (tasks/kombu_compat.py `guard_restores`), which must find the sub-queue the message's own
+    priority names, with the steps and separator configured here."""
     monkeypatch.setenv("REDIS_URL", redis_url)
     monkeypatch.setenv("GENQ_MODEL_NAME", f"test-{uuid.uuid4().hex[:8]}")
     settings = Settings()
@@ -170,13 +170,7 @@ def test_a_restored_message_goes_back_to_its_priority_sub_queue(redis_url, monke
     try:
         app.send_task(GENERATE_TASK, args=[{}], queue=queue, priority=broker_priority(-2))
         assert r.llen(sub) == 1 and r.llen(queue) == 0
-        payload = json.loads(r.rpop(sub))  # what a worker takes and holds unacknowledged
-        info = payload["properties"]["delivery_info"]
-        with app.connection_for_write() as conn:
-            channel = conn.default_channel
-            with channel.conn_or_acquire() as client, client.pipeline() as pipe:
-                restore_message(channel, payload, info["exchange"], info["routing_key"], pipe)
-                pipe.execute()
+        take_and_give_back(app, queue)
         assert r.llen(sub) == 1 and r.llen(queue) == 0
     finally:
         r.delete(sub, queue)
