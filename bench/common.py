@@ -372,7 +372,7 @@ def job_stats(r, model: str, t0: float, t1: float) -> dict:
     from tasks.jobs import DONE_RESULT
 
     prefix = keys.job("")
-    ids = [k[len(prefix) :] for k in r.scan_iter(keys.job("*"), count=1000)]
+    ids = [k[len(prefix) :] for k in r.scan_iter(keys.job("*"), count=1000, _type="hash")]
     pipe = r.pipeline(transaction=False)
     for i in ids:
         pipe.hmget(keys.job(i), "model", "status", "created", "started", "finished")

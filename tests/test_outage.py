@@ -116,7 +116,7 @@ LONG = {"max_new_tokens": 480, "ignore_eos": True}
 def _jobs_of(r: redis.Redis, model: str) -> dict[str, str]:
     """Status by job id of every job of this model."""
     out = {}
-    for key in r.scan_iter("genq:job:*", count=1000):
+    for key in r.scan_iter("genq:job:*", count=1000, _type="hash"):  # not a recovery lock or mark
         rec = r.hmget(key, ["model", "status"])
         if rec[0] == model:
             out[key.rsplit(":", 1)[-1]] = rec[1]

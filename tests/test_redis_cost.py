@@ -5,21 +5,25 @@ is read before and after a batch of blocking `/basic_generate` jobs. A regressio
 count per job must stay at or below what docs/benchmarks.md ("Redis commands per job")
 records, plus what the stack sends per second while idle (heartbeats, sweeps, BRPOP
 timeouts), measured first, over the batch's duration: a slow, loaded machine spreads those
-over fewer jobs a second. Run with `-s` to see the breakdown per command.
+over fewer jobs a second. Run with `-s` to see the breakdown per command, and what the batch
+cost Redis's process in CPU per job (printed, not asserted: docs/benchmarks.md compares it
+between commits); REDIS_COST_JOBS and REDIS_COST_CLIENTS make the batch larger.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import redis
 
 from scripts import stack as stackmod
 
-JOBS = 120
-CLIENTS = 4
+JOBS = int(os.environ.get("REDIS_COST_JOBS", "120"))
+CLIENTS = int(os.environ.get("REDIS_COST_CLIENTS", "4"))
 IDLE_S = 3.0
 # The most Redis commands one blocking job may cost, all clients counted (docs/benchmarks.md:
 # 21.2 measured, 32.3 before kombu's ack emulation went, 73.1 before issue 34, item 5).
@@ -44,6 +48,7 @@ def costed(tiny_model, stack_logs):
         s.start_worker()
         s.wait_ready()
         s.redis = redis.Redis.from_url(db.url, decode_responses=True)
+        s.redis_proc = psutil.Process(db.proc.pid)
         yield s
         s.redis.close()
     finally:
@@ -74,10 +79,14 @@ def per_job(costed) -> tuple[float, dict[str, float], float]:
     time.sleep(IDLE_S)
     before = commandstats(costed.redis)
     idle_rate = sum(delta(idle, before).values()) / IDLE_S
+    cpu = costed.redis_proc.cpu_times()
     start = time.monotonic()
     run_jobs(costed, JOBS)
     took = time.monotonic() - start
     after = commandstats(costed.redis)
+    used = costed.redis_proc.cpu_times()
+    redis_ms = (used.user + used.system - cpu.user - cpu.system) * 1000 / JOBS
+    print(f"\n{JOBS} jobs from {CLIENTS} clients: {JOBS / took:.0f} jobs/s, Redis CPU {redis_ms:.3f} ms per job")
     breakdown = {k: n / JOBS for k, n in delta(before, after).items()}
     return sum(breakdown.values()), breakdown, idle_rate * took / JOBS
 

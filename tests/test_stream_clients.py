@@ -125,7 +125,7 @@ def test_a_client_gone_while_its_job_waits_has_it_cancelled(make_stack, redis_ur
 
     def jobs() -> dict[str, str]:
         out = {}
-        for key in r.scan_iter("genq:job:*", count=1000):
+        for key in r.scan_iter("genq:job:*", count=1000, _type="hash"):  # not a recovery lock or mark
             model, status = r.hmget(key, ["model", "status"])
             if model == s.name:
                 out[key.rsplit(":", 1)[-1]] = status

@@ -61,6 +61,8 @@ class Reaper:
         self._conn = None
         # Jobs found adrift on the last reconcile pass; acted on when found so again.
         self._adrift: set[str] = set()
+        # During a reconcile pass: what each queue held when the pass first looked (`_held`).
+        self._pass_held: dict[str, set[str]] | None = None
 
     def sweep(self, judges: Callable[[float], bool] | None = None) -> int:
         """Restore the jobs of every worker whose heartbeat went stale; returns how many.
@@ -155,9 +157,15 @@ class Reaper:
             for job_id in self._stuck(self.queue):
                 adrift[job_id] = lambda j=job_id: self.republish(j, JobStatus.queued)
         done = 0
-        for job_id, act in adrift.items():
-            if job_id in self._adrift:
-                done += bool(act())
+        # One look at each queue's messages for the whole pass: a recovered job's entry stays
+        # until its next start, so a backlog of them is looked at on every pass.
+        self._pass_held = {}
+        try:
+            for job_id, act in adrift.items():
+                if job_id in self._adrift:
+                    done += bool(act())
+        finally:
+            self._pass_held = None
         self._adrift = set(adrift)
         return done
 
@@ -235,10 +243,17 @@ class Reaper:
         if spec is None:
             log.error("job %s has no message and no spec to publish it again from", job_id)
             return False
-        # Every worker on the queue reconciles it: one of them publishes.
+        # A reconcile pass's look at the queue first (its message waits: nothing to do), then
+        # the claim: every worker on the queue reconciles it, one of them publishes.
+        passing = self._pass_held is not None
+        if passing:
+            if rec["queue"] not in self._pass_held:
+                self._pass_held[rec["queue"]] = self._held(rec["queue"])
+            if job_id in self._pass_held[rec["queue"]]:
+                return False
         if not self.store.r.set(keys.republishing(job_id), self.me, nx=True, ex=30):
             return False
-        if job_id in self._held(rec["queue"]):
+        if not passing and job_id in self._held(rec["queue"]):
             return False
         publish_job(self.app, spec, rec["queue"])
         if forgive:
