@@ -22,7 +22,7 @@ from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
 from tasks import keys
-from tasks.jobs import DONE_RESULT
+from tasks.job_lua import DONE_RESULT
 from tasks.usage import NONE, counts_of
 
 if TYPE_CHECKING:
