@@ -4,7 +4,7 @@ kombu's Redis transport keeps a Celery queue's messages in one list per priority
 first-in, first-out: one key that submits 300 jobs at once would make every other key wait
 behind all 300. With fair share on (GENQ_FAIR_SHARE), each of those lists is kept shallow:
 
-- The API (tasks/jobs.py `_CREATE`, with `PUSH_LUA`) pushes a job's message straight onto its
+- The API (tasks/job_lua.py `CREATE`, with `PUSH_LUA`) pushes a job's message straight onto its
   list only while that list holds fewer than GENQ_FAIR_DEPTH messages and no line of that
   priority step is waiting. Otherwise the message goes to the end of its owner's line (a
   Redis list per queue, step and owner: `keys.fair_line`), the owner joins the step's active
@@ -96,7 +96,7 @@ end
 """
 )
 
-# The `push` tasks/jobs.py's _CREATE calls for each message it records, with fair share: it
+# The `push` tasks/job_lua.py's CREATE calls for each message it records, with fair share: it
 # takes the last 3 KEYS (the step's shared list, its active owners, the weights hash) and the
 # last 3 ARGV (depth, owner, weight). A message for another list (a worker's lane) is pushed
 # as it is without fair share.
@@ -153,7 +153,7 @@ class FairLines:
         self._fill = client.register_script(_FILL)
 
     def push_args(self, queue: str, step: int, owner: str, weight: int) -> tuple[list[str], list]:
-        """The KEYS and ARGV that `PUSH_LUA` takes from the end of _CREATE's, for jobs of
+        """The KEYS and ARGV that `PUSH_LUA` takes from the end of CREATE's, for jobs of
         `owner` at priority `step` on `queue`."""
         return [queue_key(queue, step), keys.fair_owners(queue, step), keys.FAIR_WEIGHTS], [self.depth, owner, weight]
 

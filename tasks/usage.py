@@ -31,7 +31,7 @@ RPM, TPM = "rpm", "tpm"
 Counts = tuple[int, int, int]
 NONE: Counts = (0, 0, 0)
 
-# A prefix to tasks/jobs.py's _TRANSITION (or _SUCCEED, itself a prefix to it), after its
+# A prefix to tasks/job_lua.py's TRANSITION (or SUCCEED, itself a prefix to it), after its
 # RECORD (the record's fields, read once: `cur`, `raw_attempts`, `owner`, `model`): counts a
 # job's tokens when that call will move the job, i.e. its status is one of ARGV[2] and, with a
 # fence (ARGV[5]), the fence is its current attempt (ARGV[4] is '0': no attempt starts). It
