@@ -169,11 +169,15 @@ def guard_restores(running_tags: Callable[[], Collection[str]]) -> None:
         keep = set(_running_tags())
         for tag in [t for t in self._delivered if t in keep]:
             self._delivered.pop(tag, None)
-        return original(self)
+        self.channel._genq_restore_by = time.monotonic() + RESTORE_WAIT_S  # one wait for them all
+        try:
+            return original(self)
+        finally:
+            self.channel._genq_restore_by = None
 
     def _restore(self, message, leftmost=False):
         delivery = message.delivery_info
-        deadline = time.monotonic() + RESTORE_WAIT_S
+        deadline = getattr(self, "_genq_restore_by", None) or time.monotonic() + RESTORE_WAIT_S
         while True:
             try:
                 with self.conn_or_acquire() as client:
