@@ -15,7 +15,7 @@ import redis
 
 from tasks import keys
 from tasks.jobs import DONE_RESULT, RESULT_RAW, JobStore
-from tasks.schemas import JobStatus
+from tasks.schemas import JobSpec, JobStatus, SamplingParams
 from tests.helpers import queued_job
 
 
@@ -108,3 +108,24 @@ def test_kombu_channels_reuse_their_redis_client(redis_url, monkeypatch):
         assert channel._create_client(asynchronous=True) is not first
         channel._pool = None  # kombu drops its pool after a connection error
         assert channel._create_client() is not first
+
+
+def test_a_record_that_expired_while_queued_stops_counting_once_the_cap_is_near(store):
+    """The create counts a queue's (and an owner's) queued set with ZCARD alone, and looks for
+    ids whose records expired while queued (older than the TTL) only when the count would
+    refuse: such an id then does not hold a place."""
+    queue, owner = f"genq.test-{uuid.uuid4().hex[:6]}", f"owner-{uuid.uuid4().hex[:6]}"
+    spec = lambda: JobSpec(id=str(uuid.uuid4()), model="m", prompt="p", params=SamplingParams(), owner=owner)  # noqa: E731
+    owner_set = keys.queued_by(owner)
+    for key in (keys.queued(queue), owner_set):
+        store.r.zadd(key, {"expired-long-ago": time.time() - 2 * store.ttl})
+    try:
+        assert store.create([spec()], queue, 2, max_queued=2)[0]
+        assert store.r.zscore(keys.queued(queue), "expired-long-ago") is not None  # not at the cap: not looked for
+        # Now one more fits only without the expired id, in the queue and in the owner's count.
+        assert store.create([spec()], queue, 2, max_queued=2) == (True, 1)
+        assert store.r.zscore(keys.queued(queue), "expired-long-ago") is None
+        assert store.r.zscore(owner_set, "expired-long-ago") is None
+        assert store.create([spec()], queue, 2, max_queued=5) == (False, 2)  # full: two real jobs
+    finally:
+        store.r.delete(owner_set, keys.queued(queue))
