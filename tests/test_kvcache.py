@@ -61,12 +61,7 @@ def test_steps_joins_and_leaves_match_concatenation():
             assert k is kv.k[i]  # the whole buffer: the attention reads the step's layout
         kv.finish()
         sat_out |= set(range(active, len(rows)))
-        for r in range(active):
-            rows[r].append(new_k[0, :, r : r + 1])
-        at = active
-        for n in joining:
-            rows.append([new_k[0, :, at : at + n]])
-            at += n
+        _record(rows, new_k, active, joining)
         check(kv, rows, sat_out)
     assert kv.mask.shape[0] <= 16
 
@@ -87,17 +82,31 @@ def test_a_batch_that_never_empties_slides_its_window_in_place():
         if len(rows) == 2 and step % 20 == 0:
             kv.select([1])  # the oldest leaves as the next joins
             rows = rows[1:]
-        active = len(rows)
-        kv.begin(active, joining)
-        new_k = torch.randn(1, HEADS, active + sum(joining), DIM)
-        for layer in kv.cache.layers:
-            layer.update(new_k, new_k)
-        kv.finish()
-        for r in range(active):
-            rows[r].append(new_k[0, :, r : r + 1])
-        rows += [[new_k[0, :, active:]]] if joining else []
+        _step(kv, rows, len(rows), joining)
         check(kv, rows, set())
     assert slides.count(True) >= 3 and len(reallocs) <= 3, (slides, reallocs)
+
+
+def _record(rows: list[list[torch.Tensor]], new_k: torch.Tensor, active: int, joining: list[int]) -> None:
+    """What each row should hold after a step whose new keys are `new_k`: one more for each of
+    the `active` rows, and the `joining` rows (their lengths) after them."""
+    for r in range(active):
+        rows[r].append(new_k[0, :, r : r + 1])
+    at = active
+    for n in joining:
+        rows.append([new_k[0, :, at : at + n]])
+        at += n
+
+
+def _step(kv: SlotKV, rows: list[list[torch.Tensor]], active: int, joining: list[int]) -> None:
+    """One step as a model's forward makes it: the `active` rows and the `joining` ones (their
+    lengths) each get their new keys in every layer; `rows` keeps what each row should hold."""
+    kv.begin(active, joining)
+    new_k = torch.randn(1, HEADS, active + sum(joining), DIM)
+    for layer in kv.cache.layers:
+        layer.update(new_k, new_k)
+    kv.finish()
+    _record(rows, new_k, active, joining)
 
 
 def test_a_wide_row_joining_at_the_right_edge_gets_its_columns():
@@ -108,19 +117,7 @@ def test_a_wide_row_joining_at_the_right_edge_gets_its_columns():
     torch.manual_seed(0)
     kv = SlotKV(LAYERS, HEADS, DIM, torch.float32, max_rows=4)
     rows: list[list[torch.Tensor]] = []
-
-    def step(active: int, joining: list[int]) -> None:
-        kv.begin(active, joining)
-        new_k = torch.randn(1, HEADS, active + sum(joining), DIM)
-        for layer in kv.cache.layers:
-            layer.update(new_k, new_k)
-        kv.finish()
-        for r in range(active):
-            rows[r].append(new_k[0, :, r : r + 1])
-        at = active
-        for n in joining:
-            rows.append([new_k[0, :, at : at + n]])
-            at += n
+    step = lambda active, joining: _step(kv, rows, active, joining)  # noqa: E731
 
     step(0, [3, 3])  # buffers for two rows
     for _ in range(20):
