@@ -16,8 +16,9 @@ behind all 300. With fair share on (GENQ_FAIR_SHARE), each of those lists is kep
   by 1 / its weight (`weight=` in the keys file, webapp/auth.py). An owner whose line was empty
   joins at the clock: it goes before every owner that has had a turn since (a calm key waits
   for about one turn, not for the flood), and one that waits all along gets its weight's share.
-- The workers refill their queue's lists as they take each job (worker/tasks.py), and on every
-  heartbeat (worker/recovery.py `Reaper.refill`), so nothing is stranded if a mover dies.
+- The workers refill their queue's lists as they take each job with an owner (worker/tasks.py;
+  a job without one never waited in a line), and on every heartbeat (worker/recovery.py
+  `Reaper.refill`), so nothing is stranded if a mover dies.
 
 Priorities come first as before: each step's list is filled on its own and the workers take
 from the lowest step that has a message. Jobs without an owner (an open API) and jobs placed
@@ -77,16 +78,26 @@ return moved
 """
 )
 
-# `_FILL` as a prefix to another script (tasks/jobs.py's start of a job: a worker refills as it
-# takes each job, in the same call): takes its own arguments off the end of ARGV first, the
-# weights hash, the depth, then each step's list and active owners' zset, then their count.
+# `_FILL` in another script (tasks/jobs.py's start of a job: a worker refills as it takes
+# each job, in the same call), in two parts. FILL_FIRST, a prefix, takes its own arguments off
+# the end of ARGV: the weights hash, the depth, then each step's list and active owners' zset,
+# then their count. FILL_OWNED, after the script's RECORD, refills only if the job taken has an
+# owner: lines hold only jobs with owners, so a job without one never waited behind a line, and
+# an API without keys has none (one EXISTS a job saved; should jobs with and without owners
+# share a queue, a heartbeat's refill, `FairLines.fill`, covers those taken without one).
 FILL_FIRST = (
     FILL_LUA
     + """
+local fill_spec = {}
 do
   local n = tonumber(table.remove(ARGV))
-  local f = {}
-  for i = n, 1, -1 do f[i] = table.remove(ARGV) end
+  for i = n, 1, -1 do fill_spec[i] = table.remove(ARGV) end
+end
+"""
+)
+FILL_OWNED = """
+if owner and owner ~= '' then
+  local f = fill_spec
   local active = {}
   for i = 4, #f, 2 do active[#active + 1] = f[i] end
   if redis.call('EXISTS', unpack(active)) > 0 then
@@ -94,7 +105,6 @@ do
   end
 end
 """
-)
 
 # The `push` tasks/job_lua.py's CREATE calls for each message it records, with fair share: it
 # takes the last 3 KEYS (the step's shared list, its active owners, the weights hash) and the

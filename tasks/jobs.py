@@ -19,7 +19,7 @@ import redis
 
 from tasks import keys
 from tasks.errors import CANCELLED, EXPIRED, JobError, QuotaExceeded, worker_lost
-from tasks.fair import FILL_FIRST, PLAIN_PUSH_LUA, PUSH_LUA
+from tasks.fair import FILL_FIRST, FILL_OWNED, PLAIN_PUSH_LUA, PUSH_LUA
 from tasks.job_lua import CREATE, DONE_RESULT, KEY_PREFIXES, RECORD, RECORD_ALL, SOLO, SUCCEED, TRANSITION
 from tasks.records import Attempt, queued_record
 from tasks.schemas import JobSpec, JobStatus
@@ -44,7 +44,7 @@ class JobStore:
         self.r, self.blocking = client, blocking or client
         self.ttl, self.max_attempts = ttl, max_attempts
         self._transition = client.register_script(RECORD + TRANSITION)
-        self._start_filling = client.register_script(FILL_FIRST + RECORD + TRANSITION)  # tasks/fair.py
+        self._start_filling = client.register_script(FILL_FIRST + RECORD + FILL_OWNED + TRANSITION)  # tasks/fair.py
         self._create = client.register_script(PLAIN_PUSH_LUA + CREATE)
         self._create_fair = client.register_script(PUSH_LUA + CREATE)
         self._end = client.register_script(RECORD_ALL + TRANSITION)
@@ -191,8 +191,8 @@ class JobStore:
         `running` is allowed as a source: the job is delivered again after its worker died.
         A job that already used up its attempts fails instead (a poison job must not take
         down one worker after another). `fill`: fair share's (tasks/fair.py
-        `FairLines.fill_args`): the queue's lists are refilled from the keys' lines first,
-        in the same call, whether or not the job starts."""
+        `FairLines.fill_args`): if the job has an owner, the queue's lists are refilled from
+        the keys' lines in the same call, whether or not the job starts."""
         moved, prev, number, forgiven = self._move(
             job_id, JobStatus.running, ACTIVE, worker=worker, tag=tag, _fill=fill, started=repr(time.time())
         )

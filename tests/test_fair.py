@@ -115,6 +115,22 @@ def test_a_flood_waits_in_its_line_and_a_calm_owner_is_served_in_turn(client):
     assert not client.exists(keys.fair_owners(q.name, 4), keys.fair_line(q.name, 4, "a"))
 
 
+def test_taking_a_job_with_an_owner_refills_the_list_and_one_without_leaves_it(client):
+    """A worker's start refills the lists only for a job that has an owner (tasks/fair.py
+    FILL_OWNED): lines hold only such jobs. One without an owner (an API without keys) costs
+    no look at the lines; should it share a queue with lined jobs, the heartbeat refills."""
+    q = Queue(client, depth=1)
+    (anon,) = q.submit("", 1, fair=False)  # no owner: straight onto the list, as the API does
+    lined = q.submit("a", 2)  # the list is full: both wait in a's line
+    assert q.listed() == 1 and q.fair.waiting(q.name) == {"a": 2}
+    assert q.take() == anon
+    assert q.listed() == 0 and q.fair.waiting(q.name) == {"a": 2}  # not refilled
+    assert q.fair.fill(q.name) == 1  # the heartbeat's refill
+    assert q.take() == lined[0]
+    assert q.listed() == 1 and q.fair.waiting(q.name) == {}  # refilled by the owned job's start
+    assert q.take() == lined[1]
+
+
 def test_a_new_owner_joins_at_the_clock_and_goes_before_an_owner_that_had_turns(client):
     q = Queue(client, depth=1)
     q.submit("b", 6)
