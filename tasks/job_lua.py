@@ -9,7 +9,8 @@ from tasks import keys
 # recovery finds that worker's jobs should it die), the done stream, and the attempt counter that
 # fences a worker whose job was taken away from it.
 # KEYS: record, done stream, token stream, the due callbacks. ARGV: to, allowed (comma list), TTL if final else '',
-# '1' to start an attempt, the attempt the caller holds ('' = none: the API), worker, delivery
+# '1' to start an attempt, the attempt the caller holds ('' = none: the API), worker (the one
+# that starts the attempt; or the caller's own name, a worker ending its attempt), delivery
 # tag, max attempts, then (9-11) what a used-up job fails with, the prefixes of the queued, the
 # owner's queued and the in-flight keys (12-14: KEY_PREFIXES), then field/value pairs to set.
 # Returns {moved, previous status, attempt, forgiven}; moved is 0 (not allowed or fenced), 1,
@@ -50,7 +51,12 @@ if cur == 'queued' then
   redis.call('ZREM', ARGV[12] .. queue, id)
   if owner and owner ~= '' then redis.call('ZREM', ARGV[13] .. owner, id) end
 end
-if worker then redis.call('HDEL', ARGV[14] .. worker, id) end
+-- The job leaves its worker's in-flight hash, unless that worker ends its own attempt (fenced,
+-- ARGV[6] its name): it takes its ended jobs off its hash on its next heartbeat, in one HDEL
+-- (JobStore.forget_ended); recovery skips an entry whose record is final.
+if worker and not (ARGV[5] ~= '' and ARGV[4] ~= '1' and ARGV[6] == worker) then
+  redis.call('HDEL', ARGV[14] .. worker, id)
+end
 if moved == 1 and ARGV[4] == '1' then
   attempts = attempts + 1
   set = {'status', to, 'attempts', tostring(attempts), 'worker', ARGV[6], 'tag', ARGV[7]}
@@ -149,6 +155,18 @@ return {depth, owned, 0}
 # The field of a succeeded job's done-stream entry that holds its result (SUCCEED).
 DONE_RESULT = "celery_meta"
 SUCCEED = SUCCEED.replace("DONE_RESULT", DONE_RESULT)
+
+# Forgives a job the attempt its worker was lost on beside other jobs (worker/recovery.py),
+# once: only while that attempt is the job's current one, and not if it was forgiven already
+# (recovery may publish a job again more than once for one loss). KEYS: the record. ARGV: the
+# attempt. Returns 1 if it forgave.
+FORGIVE = """
+local attempts, forgave = unpack(redis.call('HMGET', KEYS[1], 'attempts', 'forgave'))
+if attempts ~= ARGV[1] or forgave == ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'forgave', ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'forgiven', 1)
+return 1
+"""
 
 # Marks the attempt of a job that runs alone on its worker, once it is in the engine: a worker
 # lost then was lost to it. KEYS: the record. ARGV: the attempt (only while it is the current).

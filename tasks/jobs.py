@@ -12,6 +12,7 @@ waiter.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -20,7 +21,7 @@ import redis
 from tasks import keys
 from tasks.errors import CANCELLED, EXPIRED, JobError, QuotaExceeded, worker_lost
 from tasks.fair import FILL_FIRST, FILL_OWNED, PLAIN_PUSH_LUA, PUSH_LUA
-from tasks.job_lua import CREATE, DONE_RESULT, KEY_PREFIXES, RECORD, RECORD_ALL, SOLO, SUCCEED, TRANSITION
+from tasks.job_lua import CREATE, DONE_RESULT, FORGIVE, KEY_PREFIXES, RECORD, RECORD_ALL, SOLO, SUCCEED, TRANSITION
 from tasks.records import Attempt, queued_record
 from tasks.schemas import JobSpec, JobStatus
 from tasks.usage import COUNT, NONE, Counts, count_args
@@ -38,11 +39,22 @@ SOLO_AFTER_FORGIVEN = 2
 
 
 class JobStore:
-    def __init__(self, client: redis.Redis, ttl: int, max_attempts: int = 3, blocking: redis.Redis | None = None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        ttl: int,
+        max_attempts: int = 3,
+        blocking: redis.Redis | None = None,
+        me: str = "",
+    ):
         """`blocking`: the client for blocking reads (its socket timeout above MAX_BLOCK_S),
-        where `client`'s is shorter (the API's); `client` by default."""
+        where `client`'s is shorter (the API's); `client` by default. `me`: the worker whose
+        store this is (its registry name): a job it ends on its own attempt stays in its
+        in-flight hash until `forget_ended` (docs/benchmarks.md, "Redis commands per job")."""
         self.r, self.blocking = client, blocking or client
-        self.ttl, self.max_attempts = ttl, max_attempts
+        self.ttl, self.max_attempts, self.me = ttl, max_attempts, me
+        self._ended: list[str] = []
+        self._ended_lock = threading.Lock()
         self._transition = client.register_script(RECORD + TRANSITION)
         self._start_filling = client.register_script(FILL_FIRST + RECORD + FILL_OWNED + TRANSITION)  # tasks/fair.py
         self._create = client.register_script(PLAIN_PUSH_LUA + CREATE)
@@ -51,6 +63,7 @@ class JobStore:
         self._succeed = client.register_script(RECORD_ALL + COUNT + SUCCEED)
         self._counted = client.register_script(RECORD_ALL + COUNT + TRANSITION)  # counts tokens (tasks/usage.py)
         self._solo = client.register_script(SOLO)
+        self._forgive = client.register_script(FORGIVE)
 
     def create(
         self,
@@ -144,6 +157,8 @@ class JobStore:
         for k, v in fields.items():
             v = v.stored() if isinstance(v, JobError) else v
             flat += [k, v if isinstance(v, str) else json.dumps(v)]
+        if not worker and fence is not None:
+            worker = self.me  # a worker ending its own attempt leaves its entry (forget_ended)
         script, extra_keys = (self._end if to.terminal else self._transition), []
         if _result is not None:
             script, extra_keys = self._succeed, [keys.USAGE]
@@ -175,6 +190,9 @@ class JobStore:
         if res is None:
             return 0, None, 0, 0
         moved, prev, attempt, forgiven = res
+        if int(moved) == 1 and to.terminal and worker and worker == self.me:
+            with self._ended_lock:
+                self._ended.append(job_id)
         return int(moved), JobStatus(prev.decode() if isinstance(prev, bytes) else prev), int(attempt), int(forgiven)
 
     def transition(
@@ -199,6 +217,28 @@ class JobStore:
         return Attempt(
             run=moved == 1, prev=prev, number=number, exhausted=moved == 2, solo=forgiven >= SOLO_AFTER_FORGIVEN
         )
+
+    def forget_ended(self) -> int:
+        """Take the jobs this worker ended since the last call off its in-flight hash, in one
+        HDEL (a worker calls it on each heartbeat, and as it stops); returns how many. Until
+        then their entries stay: recovery skips an entry whose job is final, and a job that
+        has ended is never in flight again."""
+        with self._ended_lock:
+            ended, self._ended = self._ended, []
+        if not ended or not self.me:
+            return 0
+        try:
+            self.r.hdel(keys.inflight(self.me), *ended)
+        except BaseException:
+            with self._ended_lock:
+                self._ended[:0] = ended
+            raise
+        return len(ended)
+
+    def forgive(self, job_id: str, attempt: int) -> bool:
+        """Forgive a job its attempt `attempt`, lost with its worker beside other jobs (it
+        does not count against GENQ_MAX_ATTEMPTS), once, and only while it is the current one."""
+        return bool(self._forgive(keys=[keys.job(job_id)], args=[attempt]))
 
     def mark_solo(self, job_id: str, attempt: int) -> None:
         """Record that `attempt`, which runs alone on its worker, is now in the engine."""

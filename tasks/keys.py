@@ -22,9 +22,10 @@ def recovering(job_id: str) -> str:
     return f"{job(job_id)}:recovering"
 
 
-def republishing(job_id: str) -> str:
-    """Which worker publishes a job's lost message again (worker/recovery.py), for 30 s."""
-    return f"{job(job_id)}:republish"
+def republishing(job_id: str, attempt: int | str) -> str:
+    """Which worker publishes a job's message again after its attempt `attempt` was lost (or,
+    still queued, its message was: the attempts it has made), for 30 s (worker/recovery.py)."""
+    return f"{job(job_id)}:republish:{attempt}"
 
 
 def done(job_id: str) -> str:
@@ -76,6 +77,12 @@ WORKERS = f"{PREFIX}:workers"
 WORKERS_SEEN = f"{PREFIX}:workers:seen"
 # The last Redis outage a worker's heartbeat lived through (tasks/registry.py): start, end.
 WORKERS_OUTAGE = f"{PREFIX}:workers:outage"
+
+
+def lost(worker: str) -> str:
+    """How many jobs a lost worker had in flight, as recovery first found them: whether an
+    attempt was lost beside others does not change as its jobs start again (worker/recovery.py)."""
+    return f"{PREFIX}:lost:{worker}"
 
 
 def inflight(worker: str) -> str:

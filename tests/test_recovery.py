@@ -585,7 +585,7 @@ def test_two_workers_sweeping_one_dead_worker_recover_each_job_once(store, redis
         # That consumer dies before it starts the job: the entry is still there, and once the
         # last publication is 30 s old (here: its mark deleted), the job is published again.
         assert store.r.hgetall(keys.inflight(dead)) == late
-        store.r.delete(keys.republishing(spec.id))
+        store.r.delete(keys.republishing(spec.id, 1))
         assert sweepers[1]._recover_one(keys.inflight(dead), spec.id, "t1") and listed() == [spec.id]
         # A live worker starts it: the dead worker's entry goes with that start.
         assert store.start(spec.id, "genq-hf-1@alive", "t2").number == 2
@@ -594,3 +594,79 @@ def test_two_workers_sweeping_one_dead_worker_recover_each_job_once(store, redis
         for sweeper in sweepers:
             sweeper.reset()
         store.r.delete(*lists, keys.inflight("genq-hf-1@alive"))
+
+
+def test_a_worker_takes_the_jobs_it_ended_off_its_hash_in_one_call(store):
+    """A worker's store (`me`) leaves the entry of a job it ends on its own attempt, and takes
+    all such entries off in one HDEL on its next heartbeat (`forget_ended`); one that
+    another process moves (an attempt started elsewhere, a give-up, a cancel) goes at once."""
+    me = f"genq-hf-0@me-{uuid.uuid4().hex[:6]}"
+    mine = JobStore(store.r, store.ttl, store.max_attempts, me=me)
+    ended, failed, cancelled = (queued_job(store) for _ in range(3))
+    for job in (ended, failed, cancelled):
+        assert mine.start(job, me, "t").number == 1
+    assert mine.succeed(ended, 1, '{"r": 1}') is True
+    assert mine.finish(failed, JobStatus.failed, fence=1) == (True, JobStatus.running)
+    assert store.cancel(cancelled) == (True, JobStatus.running)  # the API's: at once
+    assert store.r.hgetall(keys.inflight(me)).keys() == {ended, failed}
+    assert mine.forget_ended() == 2 and not store.r.exists(keys.inflight(me))
+    assert mine.forget_ended() == 0
+    # A job another worker gives up for this one (fenced, but not by its own worker) goes at once.
+    lost = queued_job(store)
+    assert mine.start(lost, me, "t").number == 1
+    other = JobStore(store.r, store.ttl, store.max_attempts, me="genq-hf-1@other")
+    assert other.give_up(lost, 1) and not store.r.exists(keys.inflight(me))
+
+
+def _reaper(store, redis_url, name: str):
+    from tasks.celery_app import make_celery
+    from tasks.config import Settings
+    from tasks.registry import Registry
+    from worker.recovery import Reaper
+
+    app = make_celery(Settings(redis_url=redis_url))
+    return Reaper(app, store, Registry(store.r, 3), name)
+
+
+def test_a_lost_attempt_is_forgiven_once_and_a_job_lost_again_is_published_at_once(store, redis_url):
+    """A worker lost with two jobs in flight: both are forgiven, once each, however often
+    recovery looks, and whichever of them is left in its hash when the other has started
+    again (the count is taken at the first look: CI once charged the one left). A job lost
+    again on its next attempt is published again at once, not 30 s after its last publication
+    (the claim is per lost attempt)."""
+    from tasks.celery_app import PRIORITY_STEPS
+    from tasks.kombu_compat import priority_lists
+
+    queue = f"genq.test-{uuid.uuid4().hex[:6]}"
+    specs = [JobSpec(id=str(uuid.uuid4()), model="m", prompt=f"p{i}", params=SamplingParams()) for i in range(2)]
+    assert store.create(specs, queue, 10)[0]
+    a, b = (spec.id for spec in specs)
+    dead, dead2 = (f"genq-hf-0@dead-{uuid.uuid4().hex[:6]}" for _ in range(2))
+    reaper = _reaper(store, redis_url, f"genq-hf-1@alive-{uuid.uuid4().hex[:6]}")
+    lists = priority_lists(reaper._channel(), queue, PRIORITY_STEPS)
+    try:
+        for job in (a, b):
+            assert store.start(job, dead, "t").number == 1
+        # Another sweeper holds a's claim: this look publishes b only (forgiven: lost beside a).
+        store.r.set(keys.republishing(a, 1), "another sweeper")
+        assert reaper.recover(dead) == 1
+        assert store.get(b)["forgiven"] == "1" and not store.get(a).get("forgiven")
+        # b starts again elsewhere (off the dead worker's hash); the other sweeper died.
+        assert store.start(b, f"genq-hf-2@w-{uuid.uuid4().hex[:6]}", "t").number == 2
+        store.r.delete(*lists, keys.republishing(a, 1))
+        assert store.r.hkeys(keys.inflight(dead)) == [a]
+        assert reaper.recover(dead) == 1  # a alone is left, but it was lost beside b: forgiven
+        assert store.get(a)["forgiven"] == "1"
+        # Its message is lost again before it starts: published again, not forgiven twice.
+        store.r.delete(*lists, keys.republishing(a, 1))
+        assert reaper.recover(dead) == 1 and store.get(a)["forgiven"] == "1"
+        # a starts on a worker that is lost too, while attempt 1's claim still holds:
+        # published at once (attempt 2's claim), and charged (it was alone there).
+        store.r.delete(*lists)
+        assert store.start(a, dead2, "t").number == 2
+        assert reaper.recover(dead2) == 1
+        rec = store.get(a)
+        assert rec["status"] == "running" and rec["forgiven"] == "1"
+    finally:
+        reaper.reset()
+        store.r.delete(*lists, keys.lost(dead), keys.lost(dead2), keys.inflight(dead), keys.inflight(dead2))

@@ -70,7 +70,10 @@ class Heartbeat(threading.Thread):
             called = time.monotonic()
             try:
                 now, prev = self.registry.announce(self.info)
+                if prev is None:
+                    self.reaper.announced()
                 self.reaper.keep_lane()
+                self.reaper.forget_ended()
                 self.reaper.refill()
                 held = time.monotonic() - called
                 if failed or prev is None or now - prev > self.gap:
@@ -153,7 +156,7 @@ def main() -> None:
         engine.max_model_len,
         engine.device,
     )
-    store = JobStore(client, settings.result_ttl, settings.max_attempts)
+    store = JobStore(client, settings.result_ttl, settings.max_attempts, me=name)
     tok = getattr(engine, "tok", None)
     chat = Chat(tok, settings.chat_template, engine.max_model_len)
     # The API checks prompts against the context at submit by this bound (webapp/context.py).
@@ -238,6 +241,10 @@ def main() -> None:
     @worker_shutdown.connect(weak=False)
     def _close(**_):
         heartbeat.stop()
+        try:  # the jobs ended since the last heartbeat leave our in-flight hash
+            store.forget_ended()
+        except redis.RedisError as exc:
+            log.warning("could not take ended jobs off our in-flight hash: %s", exc)
         if lane:
             try:  # what still waits in our lane goes to the shared queue (the reconcilers also would)
                 placement.drain(name)

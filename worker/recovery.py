@@ -35,6 +35,12 @@ from tasks.schemas import JobStatus
 
 log = logging.getLogger(__name__)
 
+# A job's message is published again at most once in this long for one lost attempt (or, for
+# a queued job whose message was lost, for the attempts it has made).
+REPUBLISH_CLAIM_S = 30
+# How long the count of a lost worker's jobs (`Reaper.forgive`) is kept.
+LOST_TTL_S = 24 * 3600
+
 
 class Reaper:
     def __init__(
@@ -85,6 +91,15 @@ class Reaper:
         if self.lane and self.queue:
             self.placement.keep_lane(self.me, self.queue)
 
+    def forget_ended(self) -> int:
+        """On each heartbeat: the jobs this worker ended since leave its in-flight hash."""
+        return self.store.forget_ended()
+
+    def announced(self) -> None:
+        """This worker beat for the first time, or again after it was taken for lost: a
+        count recorded at its loss (`forgive`) is not of its next one."""
+        self.store.r.delete(keys.lost(self.me))
+
     def refill(self) -> int:
         """On each heartbeat: refill the queue's lists from the keys' lines, should the workers
         that take its jobs (which refill as they do) be gone or have failed to."""
@@ -103,7 +118,7 @@ class Reaper:
 
     def recover(self, worker: str) -> int:
         inflight = self.store.r.hgetall(keys.inflight(worker))
-        forgiven = self.forgive(inflight)
+        forgiven = self.forgive(worker, inflight)
         restored = 0
         for job_id, tag in inflight.items():
             restored += self._recover_job(keys.inflight(worker), job_id, tag, job_id in forgiven)
@@ -116,17 +131,27 @@ class Reaper:
             )
         return restored
 
-    def forgive(self, inflight: dict[str, str]) -> set[str]:
+    def forgive(self, worker: str, inflight: dict[str, str]) -> set[str]:
         """Which of a lost worker's in-flight jobs are not charged for it: none if it had one
         job in flight; if one of them was running alone (its `solo` attempt is the current
-        one), the others (they waited for it); else all of them."""
-        if len(inflight) <= 1:
+        one), the others (they waited for it); else all of them. How many it had is taken
+        once, at recovery's first look (keys.lost): its jobs leave the hash as they start
+        again, and a later look must not find one job left and charge it. Entries of jobs
+        already final (ended there, not yet taken off: `JobStore.forget_ended`) do not count."""
+        if not inflight:
             return set()
         pipe = self.store.r.pipeline(transaction=False)
         for job_id in inflight:
-            pipe.hmget(keys.job(job_id), "attempts", "solo")
-        alone = {job_id for job_id, (attempts, solo) in zip(inflight, pipe.execute()) if solo and solo == attempts}
-        return set(inflight) - alone
+            pipe.hmget(keys.job(job_id), "attempts", "solo", "status")
+        rows = dict(zip(inflight, pipe.execute()))
+        live = {j for j, (_, _, status) in rows.items() if status and not JobStatus(status).terminal}
+        pipe.set(keys.lost(worker), len(live), nx=True, ex=LOST_TTL_S)
+        pipe.get(keys.lost(worker))
+        _, had = pipe.execute()
+        if int(had or len(live)) <= 1:
+            return set()
+        alone = {j for j in live if rows[j][1] and rows[j][1] == rows[j][0]}
+        return live - alone
 
     def _exhausted(self, rec: dict[str, str], forgive: bool) -> tuple[bool, int]:
         """Whether a running job whose worker was lost has used up its attempts, and how many
@@ -141,6 +166,7 @@ class Reaper:
         adrift: dict[str, Callable[[], bool]] = {}
         live = set(self.registry.r.hkeys(keys.WORKERS))
         self.drain_lanes(live)
+        self.store.forget_ended()  # our own hash: only jobs not ended here
         for key in self.store.r.scan_iter(match=keys.inflight("*"), count=100):
             worker = key[len(keys.inflight("")) :]
             if worker == self.me:
@@ -150,7 +176,7 @@ class Reaper:
                         adrift[job_id] = lambda j=job_id, t=tag, k=key: self._recover_one(k, j, t)
             elif worker not in live:
                 inflight = self.store.r.hgetall(key)
-                forgiven = self.forgive(inflight)
+                forgiven = self.forgive(worker, inflight)
                 for job_id, tag in inflight.items():
                     adrift[job_id] = lambda j=job_id, t=tag, k=key, f=job_id in forgiven: self._recover_one(k, j, t, f)
         if self.queue:
@@ -183,7 +209,8 @@ class Reaper:
         there, and the reconciler publishes the job again. Every live worker sweeps (several
         stacks may share a Redis): one of them recovers a given job, the one holding its
         recovery lock, and only while the job is still in the lost worker's hash; `republish`
-        publishes one message per job per 30 s at most, and none while one waits on its queue."""
+        publishes one message per lost attempt per REPUBLISH_CLAIM_S at most, and none while one
+        waits on its queue."""
         lock = self.store.r.lock(keys.recovering(job_id), timeout=30, blocking=False)
         if not lock.acquire():
             return False  # another worker is on it; if it dies, the reconciler finds the entry
@@ -233,10 +260,12 @@ class Reaper:
         rec = self.store.get(job_id)
         if rec is None or rec["status"] != status.value:
             return False
-        forgive = forgive and status is JobStatus.running
+        attempt = int(rec.get("attempts", 0))
+        # Forgiven once per lost attempt, however often its job is published again for it.
+        forgive = forgive and status is JobStatus.running and rec.get("forgave") != str(attempt)
         exhausted, counted = self._exhausted(rec, forgive)
         if status is JobStatus.running and exhausted:
-            if self.store.give_up(job_id, int(rec.get("attempts", 0)), counted):
+            if self.store.give_up(job_id, attempt, counted):
                 log.warning("job %s failed: its worker was lost on %d of its attempts that count", job_id, counted)
             return False
         spec = self.store.spec(rec)
@@ -251,13 +280,14 @@ class Reaper:
                 self._pass_held[rec["queue"]] = self._held(rec["queue"])
             if job_id in self._pass_held[rec["queue"]]:
                 return False
-        if not self.store.r.set(keys.republishing(job_id), self.me, nx=True, ex=30):
+        # Claimed per lost attempt: a job lost again, on its next attempt, is not held back.
+        if not self.store.r.set(keys.republishing(job_id, attempt), self.me, nx=True, ex=REPUBLISH_CLAIM_S):
             return False
         if not passing and job_id in self._held(rec["queue"]):
             return False
+        if forgive:  # before the message: the start that follows reads it (solo)
+            self.store.forgive(job_id, attempt)
         publish_job(self.app, spec, rec["queue"])
-        if forgive:
-            self.store.r.hincrby(keys.job(job_id), "forgiven", 1)
         log.warning("job %s (%s) had lost its message; published it again", job_id, status.value)
         return True
 
