@@ -598,8 +598,8 @@ def test_two_workers_sweeping_one_dead_worker_recover_each_job_once(store, redis
 
 def test_a_worker_takes_the_jobs_it_ended_off_its_hash_in_one_call(store):
     """A worker's store (`me`) leaves the entry of a job it ends on its own attempt, and takes
-    all such entries off in one HDEL on its next heartbeat (`forget_ended`); one that
-    another process moves (an attempt started elsewhere, a give-up, a cancel) goes at once."""
+    all such entries off in one HDEL on its next heartbeat, or once FORGET_BATCH have ended
+    (`forget_ended`); one that another process moves (a give-up, a cancel) goes at once."""
     me = f"genq-hf-0@me-{uuid.uuid4().hex[:6]}"
     mine = JobStore(store.r, store.ttl, store.max_attempts, me=me)
     ended, failed, cancelled = (queued_job(store) for _ in range(3))
@@ -616,6 +616,17 @@ def test_a_worker_takes_the_jobs_it_ended_off_its_hash_in_one_call(store):
     assert mine.start(lost, me, "t").number == 1
     other = JobStore(store.r, store.ttl, store.max_attempts, me="genq-hf-1@other")
     assert other.give_up(lost, 1) and not store.r.exists(keys.inflight(me))
+    # Once FORGET_BATCH jobs have ended, the one that makes them so takes them off itself.
+    from tasks.jobs import FORGET_BATCH
+
+    jobs = [queued_job(store) for _ in range(FORGET_BATCH + 1)]
+    for job in jobs:
+        assert mine.start(job, me, "t").number == 1
+    for job in jobs[: FORGET_BATCH - 1]:
+        assert mine.succeed(job, 1, '{"r": 1}') is True
+    assert len(store.r.hkeys(keys.inflight(me))) == FORGET_BATCH + 1
+    assert mine.succeed(jobs[FORGET_BATCH - 1], 1, '{"r": 1}') is True
+    assert store.r.hkeys(keys.inflight(me)) == [jobs[-1]]
 
 
 def _reaper(store, redis_url, name: str):
