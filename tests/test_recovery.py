@@ -681,3 +681,18 @@ def test_a_lost_attempt_is_forgiven_once_and_a_job_lost_again_is_published_at_on
     finally:
         reaper.reset()
         store.r.delete(*lists, keys.lost(dead), keys.lost(dead2), keys.inflight(dead), keys.inflight(dead2))
+
+
+def test_a_superseded_attempt_ending_leaves_the_newer_attempt_running():
+    """One worker can hold two messages of one job (one thought lost and published again while
+    this worker could not start it: a Redis failover). The older attempt, superseded, ends
+    while the newer runs: its end must not take the job off the worker's running jobs, or the
+    reconciler takes the newer attempt for lost and publishes the job a third time
+    (bench.reliability's Sentinel failover once ran a job three times)."""
+    from worker.tasks import _not_running
+
+    running = {"job": "message-2"}
+    _not_running(running, "job", "message-1")  # attempt 1 (message 1), superseded, ends
+    assert running == {"job": "message-2"}
+    _not_running(running, "job", "message-2")
+    assert running == {}

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 # A job's message is published again at most once in this long for one lost attempt (or, for
 # a queued job whose message was lost, for the attempts it has made).
 REPUBLISH_CLAIM_S = 30
+# Where `Reaper.reconcile` found a job recorded queued whose message is nowhere.
+QUEUED = "queued"
 # How long the count of a lost worker's jobs (`Reaper.forgive`) is kept.
 LOST_TTL_S = 24 * 3600
 
@@ -65,8 +67,9 @@ class Reaper:
         self.lane = lane
         self.fair = fair or FairLines(store.r, len(PRIORITY_STEPS), 1)  # without: only read (_held)
         self._conn = None
-        # Jobs found adrift on the last reconcile pass; acted on when found so again.
-        self._adrift: set[str] = set()
+        # Jobs found adrift on the last reconcile pass, with where (an in-flight hash, or
+        # QUEUED: recorded queued, message nowhere); acted on when found so again, there.
+        self._adrift: set[tuple[str, str]] = set()
         # During a reconcile pass: what each queue held when the pass first looked (`_held`).
         self._pass_held: dict[str, set[str]] | None = None
 
@@ -163,7 +166,7 @@ class Reaper:
 
     def reconcile(self) -> int:
         """One pass: publish again what is adrift on two passes in a row; returns how many."""
-        adrift: dict[str, Callable[[], bool]] = {}
+        adrift: dict[tuple[str, str], Callable[[], bool]] = {}
         live = set(self.registry.r.hkeys(keys.WORKERS))
         self.drain_lanes(live)
         self.store.forget_ended()  # our own hash: only jobs not ended here
@@ -173,22 +176,24 @@ class Reaper:
                 mine = set(self.running())
                 for job_id, tag in self.store.r.hgetall(key).items():
                     if job_id not in mine:
-                        adrift[job_id] = lambda j=job_id, t=tag, k=key: self._recover_one(k, j, t)
+                        adrift[job_id, key] = lambda j=job_id, t=tag, k=key: self._recover_one(k, j, t)
             elif worker not in live:
                 inflight = self.store.r.hgetall(key)
                 forgiven = self.forgive(worker, inflight)
                 for job_id, tag in inflight.items():
-                    adrift[job_id] = lambda j=job_id, t=tag, k=key, f=job_id in forgiven: self._recover_one(k, j, t, f)
+                    adrift[job_id, key] = lambda j=job_id, t=tag, k=key, f=job_id in forgiven: self._recover_one(
+                        k, j, t, f
+                    )
         if self.queue:
             for job_id in self._stuck(self.queue):
-                adrift[job_id] = lambda j=job_id: self.republish(j, JobStatus.queued)
+                adrift[job_id, QUEUED] = lambda j=job_id: self.republish(j, JobStatus.queued)
         done = 0
         # One look at each queue's messages for the whole pass: a recovered job's entry stays
         # until its next start, so a backlog of them is looked at on every pass.
         self._pass_held = {}
         try:
-            for job_id, act in adrift.items():
-                if job_id in self._adrift:
+            for found, act in adrift.items():
+                if found in self._adrift:
                     done += bool(act())
         finally:
             self._pass_held = None
@@ -197,7 +202,10 @@ class Reaper:
 
     def _recover_one(self, inflight_key: str, job_id: str, tag: str, forgive: bool = False) -> bool:
         """A job in flight on no running worker: published again unless its message waits on
-        its queue (`republish` says so when it publishes)."""
+        its queue (`republish` says so when it publishes), or, in our own hash, this process
+        runs it now (the pass's look is up to an interval old)."""
+        if inflight_key == keys.inflight(self.me) and job_id in self.running():
+            return False
         return self._recover_job(inflight_key, job_id, tag, forgive)
 
     def _recover_job(self, inflight_key: str, job_id: str, tag: str, forgive: bool = False) -> bool:

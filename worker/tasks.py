@@ -172,10 +172,10 @@ def register(app: Celery) -> None:
             fill = self.fair.fill_args(self.queue) if self.fair is not None else None
             attempt = self.store.start(spec.id, self.worker_name, tag, fill)
         except BaseException:
-            self.running.pop(spec.id, None)
+            _not_running(self.running, spec.id, tag)
             raise
         if not attempt.run:
-            self.running.pop(spec.id, None)
+            _not_running(self.running, spec.id, tag)
             # Cancelled while queued, already final, expired, or out of attempts: nothing to run.
             log.info(
                 "job %s skipped: status %s%s", spec.id, attempt.prev, " (out of attempts)" if attempt.exhausted else ""
@@ -234,7 +234,17 @@ def _record_outcome(task_id=None, task=None, retval=None, state=None, **_):
     finally:
         # Only now, with the job's final status written (and so its in-flight entry gone): the
         # reconciler takes a job in flight here but not running for one whose finish was lost.
-        task.running.pop(task_id, None)
+        _not_running(task.running, task_id, (task.request.properties or {}).get("delivery_tag", ""))
+
+
+def _not_running(running: dict[str, str], job_id: str, tag: str) -> None:
+    """The attempt of `job_id` that came with message `tag` is over here. Only its own entry
+    goes: a job published again (a message thought lost) may have a newer attempt running on
+    this same worker, which superseded this one; popping its entry made the reconciler take
+    that running attempt for lost and publish the job a third time (bench.reliability, Sentinel
+    failover)."""
+    if running.get(job_id) == tag:
+        running.pop(job_id, None)
 
 
 def _finish(task_id, task: WorkerTask, retval, state) -> None:
