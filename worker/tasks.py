@@ -232,8 +232,9 @@ def _record_outcome(task_id=None, task=None, retval=None, state=None, **_):
     try:
         _finish(task_id, task, retval, state)
     finally:
-        # Only now, with the job's final status written (and so its in-flight entry gone): the
-        # reconciler takes a job in flight here but not running for one whose finish was lost.
+        # Only now, with the job's final status written (and its in-flight entry gone, or listed
+        # to go: JobStore.forget_ended): the reconciler takes a job in flight here but not
+        # running for one whose finish was lost.
         _not_running(task.running, task_id, (task.request.properties or {}).get("delivery_tag", ""))
 
 
