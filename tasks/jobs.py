@@ -233,9 +233,8 @@ class JobStore:
     def forget_ended(self) -> int:
         """Take the jobs this worker ended since the last call off its in-flight hash, in one
         HDEL (once FORGET_BATCH have ended, on each heartbeat, and as the worker stops);
-        returns how many. Until
-        then their entries stay: recovery skips an entry whose job is final, and a job that
-        has ended is never in flight again."""
+        returns how many. Until then their entries stay: recovery skips an entry whose job is
+        final, and a job that has ended is never in flight again."""
         with self._ended_lock:
             ended, self._ended = self._ended, []
         if not ended or not self.me:
