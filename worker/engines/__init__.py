@@ -20,6 +20,10 @@ def create_engine(settings: Settings, sink: Sink | None = None) -> Engine:
         from worker.engines.hf import HFEngine
 
         return HFEngine(settings, sink)
+    if settings.engine == "llamacpp":
+        from worker.engines.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine(settings, sink)
     if settings.engine == "vllm":
         from worker.engines.vllm import VLLMEngine
 

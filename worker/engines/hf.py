@@ -257,8 +257,8 @@ class HFEngine(Engine):
         self._started.set_result(None)
         return True
 
-    def _run(self, model: str, cfg, dtype: torch.dtype, device: torch.device, pack: bool) -> None:
-        if not self._start(model, cfg, dtype, device, pack):
+    def _run(self, *load) -> None:
+        if not self._start(*load):
             return
         with torch.inference_mode():
             while not self._closed.is_set():

@@ -109,6 +109,7 @@ class Scheduler:
         missing: Callable[[Seq], Hashable | None] = lambda seq: None,
         kv_columns: int = 0,
         prefill_share: float = 1.0,
+        kv_cells: int = 0,
     ):
         self.capacity = capacity
         self.background_every = background_every
@@ -127,6 +128,9 @@ class Scheduler:
         # arrives never takes the worker past its memory: a job that would waits for rows to
         # leave (one alone always runs).
         self.kv_columns = kv_columns
+        # A KV cache whose cells the rows share (llama.cpp's, worker/engines/llamacpp.py):
+        # `kv_cells` (0: no bound) bounds the sum of the rows' longest, the same way.
+        self.kv_cells = kv_cells
         # While foreground rows decode (background rows, batch lines, have no reader waiting
         # on each token), the chunks of long prompts take at most `prefill_share` of the
         # engine's time: after a chunk of t seconds, the running rows are owed t * (1 - share) /
@@ -202,11 +206,13 @@ class Scheduler:
         budget = self.prefill_budget or float("inf")
         spent, over, computing = 0, [], set()
         rows, longest = len(self.rows), max((s.longest for s in self.rows), default=0)
+        cells = sum(s.longest for s in self.rows)
         for seq in pending:
             seq.chunk = None
             block = self.missing(seq)
             grown = max(longest, seq.longest)
             fits = not self.kv_columns or not rows or (rows + 1) * 2 * grown <= self.kv_columns
+            fits = fits and (not self.kv_cells or not rows or cells + seq.longest <= self.kv_cells)
             if not fits or (block is not None and block in computing):
                 self.waiting.append(seq)
                 continue
@@ -220,7 +226,7 @@ class Scheduler:
                 room -= 1
                 spent += need
                 computing.add(block)
-                rows, longest = rows + 1, grown
+                rows, longest, cells = rows + 1, grown, cells + seq.longest
             else:
                 over.append(seq)
         paced = self.fg > 0 and self.owed > 0  # foreground rows decode: their gaps are kept short
