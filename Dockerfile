@@ -9,7 +9,7 @@
 # `models` volume by the model-init service, and a hub model (GENQ_MODEL=facebook/opt-125m)
 # is fetched by the worker at start-up into HF_HOME (mount a volume there to keep it).
 #
-# It builds wherever pip works (README, "Building behind a mirror"), with the Dockerfile
+# It builds wherever pip works (docs/deploying.md, "Building behind a mirror"), with the Dockerfile
 # frontend built into BuildKit: no `# syntax=` line, which would make BuildKit pull
 # docker/dockerfile from Docker Hub. pip's own settings are build arguments (PIP_INDEX_URL,
 # PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS, PIP_TRUSTED_HOST: pip reads them from the environment,

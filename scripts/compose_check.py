@@ -6,7 +6,7 @@ What `tests/test_compose.py` checks by reading the files, this checks with a Doc
    (Dockerfile.vllm) with `docker compose build`, the project's files as they are;
 2. `docker compose up -d` with the profiles `vllm`, `locust` and `flower` and API keys on,
    and waits for every service to be healthy (model-init: exited 0);
-3. checks against it: 401 without a key; a job on each engine by the README's model names
+3. checks against it: 401 without a key; a job on each engine by the docs' model names
    (`tiny-opt`, `tiny-opt-vllm`; a job without `model` goes to `tiny-opt`); Flower behind its
    basic auth; locust's master with a worker, running a short swarm against the api with no
    failure; a worker that exits (killed) restarted by its restart policy and serving again;
@@ -49,7 +49,7 @@ from scripts.compose_build import (  # noqa: F401 (serve_local, start_wheel_serv
 from scripts.compose_stack import MIN_COMPOSE, PROFILES, PROJECT, ROOT, SLOW, Stack, compose_version, override_file
 
 HF_IMAGE, VLLM_IMAGE = "genqueue:latest", "genqueue-vllm:latest"
-# The README's names: the default model and its vLLM worker's.
+# The docs' names (docs/deploying.md): the default model and its vLLM worker's.
 HF_MODEL, VLLM_MODEL = "tiny-opt", "tiny-opt-vllm"
 
 
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 
         say("API keys")
         check_keys(api)
-        say("a job on each engine by the README's model names")
+        say("a job on each engine by the docs' model names")
         check_models(api)
         say("Flower")
         check_flower(stack, flower_auth)

@@ -647,6 +647,11 @@ def test_vllm_worker_runs_the_worker_from_its_own_image(services, stack_commands
     assert volume_mounts(svc)["/models"] == ("models", True)
 
 
+def docs_text() -> str:
+    """The README and the page that owns deploying."""
+    return (REPO_ROOT / "README.md").read_text() + (REPO_ROOT / "docs" / "deploying.md").read_text()
+
+
 def test_gpu_override_reserves_gpus_and_switches_to_the_cuda_build(services):
     override = yaml.safe_load(GPU_OVERRIDE.read_text())["services"]
     assert set(override) == {"vllm-worker"}
@@ -656,7 +661,7 @@ def test_gpu_override_reserves_gpus_and_switches_to_the_cuda_build(services):
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     for name in ("requirements-vllm.txt", "requirements-vllm-cpu.txt"):
         assert (REPO_ROOT / name).is_file()
-    assert "docker-compose.gpu.yml" in (REPO_ROOT / "README.md").read_text()
+    assert "docker-compose.gpu.yml" in docs_text()
 
 
 def test_dockerfile_vllm():
@@ -857,12 +862,12 @@ def test_vllm_image_has_what_the_vllm_wheel_links():
 
 def test_served_model_names_are_the_readmes(services):
     """Compose serves the default model as `tiny-opt` and its vLLM worker's as `tiny-opt-vllm`,
-    as the README names them; a model set in .env serves under
+    as the README and docs/deploying.md name them; a model set in .env serves under
     its own name unless GENQ_MODEL_NAME says otherwise, and the vLLM worker's is `<name>-vllm`."""
     from scripts import compose_check
 
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert '"model": "tiny-opt"' in readme and 'model "tiny-opt-vllm"' in readme
+    docs = docs_text()
+    assert '"model": "tiny-opt"' in docs and 'model "tiny-opt-vllm"' in docs
     cases = [
         ({}, "tiny-opt", "tiny-opt-vllm"),
         ({"GENQ_MODEL": "facebook/opt-125m"}, "facebook/opt-125m", "facebook/opt-125m-vllm"),
@@ -886,7 +891,7 @@ def test_make_test_compose_runs_the_check_and_make_test_does_not():
     for target in ("test", "test-core"):
         rule = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, re.M)
         assert rule and "compose_check" not in rule.group(0), target
-    assert "make test-compose" in (REPO_ROOT / "README.md").read_text()
+    assert "make test-compose" in docs_text()
 
 
 def test_compose_check_serves_local_wheels_to_the_build(tmp_path):
