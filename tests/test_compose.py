@@ -853,11 +853,14 @@ def test_gpu_build_keeps_the_pip_settings():
 
 
 def test_vllm_image_has_what_the_vllm_wheel_links():
-    """vllm._C (the CPU build) links libnuma.so.1, which the slim image lacks; the build imports
-    it, so a missing library fails the build rather than crash-looping the worker."""
+    """vllm._C* (the CPU build's kernels) link libnuma.so.1, which the slim image lacks; the build
+    loads them as vLLM does and asks for an op, so a missing library fails the build rather than
+    crash-looping the worker. Not `import vllm._C` by name: that build is AVX-512's, and dies of
+    SIGILL on an AVX2-only CPU, where vLLM loads _C_AVX2."""
     runs = " ".join(rest for op, rest in _instructions(DOCKERFILE_VLLM) if op == "RUN")
     assert re.search(r"apt-get \S* ?install -y --no-install-recommends [^;]*\blibnuma1\b", runs), runs
-    assert "__import__('vllm._C')" in runs
+    assert "import_kernels()" in runs and "torch.ops._C." in runs
+    assert "vllm._C'" not in runs and "import vllm._C" not in runs
 
 
 def test_served_model_names_are_the_readmes(services):
