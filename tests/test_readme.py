@@ -1,8 +1,10 @@
 """The README and docs/ stay true to the code: the configuration table, the two commands, every
-relative link, and the Python client examples (run against a live stack)."""
+relative link, the Python client examples (run against a live stack), and design essays kept
+in docs/ rather than in module docstrings."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -44,6 +46,19 @@ def test_the_two_commands_are_shown():
 
 def test_the_readme_stays_short():
     assert README.count("\n") <= 300
+
+
+def test_module_docstrings_say_why_in_a_few_lines():
+    """A module's docstring says why it exists; how it works at length belongs in docs/design.md."""
+    long = []
+    for package in ("tasks", "webapp", "worker", "genqueue"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            body = ast.parse(path.read_text()).body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                lines = body[0].end_lineno - body[0].lineno + 1
+                if isinstance(body[0].value.value, str) and lines > 20:
+                    long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert long == []
 
 
 def anchors(page: Path) -> set[str]:
