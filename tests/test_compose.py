@@ -36,6 +36,7 @@ if str(REPO_ROOT) not in sys.path:  # so `scripts.stack` imports however pytest 
 
 APP_SERVICES = ("model-init", "worker", "api")
 TINY_MODEL_PATH = "/models/tiny-opt"
+DEFAULT_MODEL_PATH = "/models/smollm2-135m-instruct"  # SmolLM2-135M-Instruct, as `make run` serves
 API_PORT = 8000
 
 
@@ -383,7 +384,7 @@ def test_api_and_worker_share_redis_and_model(services):
     assert url.hostname == "redis" and "redis" in services
     assert (url.port or 6379) == 6379
     # The api routes jobs to the queue of the model the worker serves.
-    assert api.get("GENQ_MODEL") == worker.get("GENQ_MODEL") == TINY_MODEL_PATH
+    assert api.get("GENQ_MODEL") == worker.get("GENQ_MODEL") == DEFAULT_MODEL_PATH
     assert api.get("GENQ_MODEL_NAME") == worker.get("GENQ_MODEL_NAME")
 
 
@@ -406,13 +407,14 @@ def test_model_volume_is_shared_and_built_by_model_init(compose, services):
     assert not init_ro, "model-init must be able to write the models volume"
 
     script = " ".join(interpolate(argv(services["model-init"]["command"])))
+    assert f"scripts.realmodel --out {DEFAULT_MODEL_PATH}" in script
     assert f"scripts.devmodels --shape tiny --out {TINY_MODEL_PATH}" in script
     # The shell (not compose) must see $GENQ_MODEL: i.e. it was escaped as $$ in the file.
     assert "$GENQ_MODEL" in script or "${GENQ_MODEL}" in script
-    assert TINY_MODEL_PATH in env_of(services["model-init"]).get("GENQ_MODEL", "")
+    assert DEFAULT_MODEL_PATH in env_of(services["model-init"]).get("GENQ_MODEL", "")
 
 
-def test_model_init_script_only_builds_when_model_is_the_tiny_one(services, tmp_path):
+def test_model_init_script_only_builds_a_bundled_model(services, tmp_path):
     """Run model-init's shell script with a stub `python` to check the branch logic."""
     cmd = interpolate(argv(services["model-init"]["command"]))
     assert cmd and cmd[0] in {"sh", "/bin/sh", "bash", "/bin/bash"} and "-c" in cmd
@@ -429,6 +431,7 @@ def test_model_init_script_only_builds_when_model_is_the_tiny_one(services, tmp_
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 
+    assert f"PYTHON -m scripts.realmodel --out {DEFAULT_MODEL_PATH}" in run(DEFAULT_MODEL_PATH)
     assert f"PYTHON -m scripts.devmodels --shape tiny --out {TINY_MODEL_PATH}" in run(TINY_MODEL_PATH)
     assert "PYTHON" not in run("facebook/opt-125m")
 
@@ -864,24 +867,25 @@ def test_vllm_image_has_what_the_vllm_wheel_links():
 
 
 def test_served_model_names_are_the_readmes(services):
-    """Compose serves the default model as `tiny-opt` and its vLLM worker's as `tiny-opt-vllm`,
+    """Compose serves the default model as `smollm2-135m-instruct` (as `make run` does) and its
+    vLLM worker's as `smollm2-135m-instruct-vllm`,
     as the README and docs/deploying.md name them; a model set in .env serves under
     its own name unless GENQ_MODEL_NAME says otherwise, and the vLLM worker's is `<name>-vllm`."""
     from scripts import compose_check
 
     docs = docs_text()
-    assert '"model": "tiny-opt"' in docs and 'model "tiny-opt-vllm"' in docs
+    assert '"model": "smollm2-135m-instruct"' in docs and 'model "smollm2-135m-instruct-vllm"' in docs
     cases = [
-        ({}, "tiny-opt", "tiny-opt-vllm"),
+        ({}, "smollm2-135m-instruct", "smollm2-135m-instruct-vllm"),
         ({"GENQ_MODEL": "facebook/opt-125m"}, "facebook/opt-125m", "facebook/opt-125m-vllm"),
         ({"GENQ_MODEL": "facebook/opt-125m", "GENQ_MODEL_NAME": "opt"}, "opt", "opt-vllm"),
-        ({"GENQ_VLLM_MODEL_NAME": "fast"}, "tiny-opt", "fast"),
+        ({"GENQ_VLLM_MODEL_NAME": "fast"}, "smollm2-135m-instruct", "fast"),
     ]
     for env, hf, vllm in cases:
         for name in ("api", "worker"):
             assert interpolate(services[name]["environment"]["GENQ_MODEL_NAME"], env) == hf, (name, env)
         assert interpolate(services["vllm-worker"]["environment"]["GENQ_MODEL_NAME"], env) == vllm, env
-    assert (compose_check.HF_MODEL, compose_check.VLLM_MODEL) == ("tiny-opt", "tiny-opt-vllm")
+    assert (compose_check.HF_MODEL, compose_check.VLLM_MODEL) == ("smollm2-135m-instruct", "smollm2-135m-instruct-vllm")
 
 
 # --------------------------------------------------------------------------- make test-compose
