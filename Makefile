@@ -57,7 +57,7 @@ test: model $(VLLM_STAMP) llamacpp
 	$(BIN)/python -m pytest
 
 # The product's tests alone: those marked `tooling` (compose, Docker, locust, bench harnesses,
-# README text, dev checkpoint builders; pytest.ini) left out. CI runs `make test`, all of them.
+# docs text, dev checkpoint builders; pytest.ini) left out. CI runs `make test`, all of them.
 test-core: model $(VLLM_STAMP) llamacpp
 	$(BIN)/python -m pytest -m "not tooling"
 

@@ -8,7 +8,7 @@ read the SSE stream), `BasicGenerateUser` and `BatchGenerateUser` (the teaching 
 flight and checks every answer; a 429 is a failure, after which the user sleeps for its
 Retry-After. Beside the HTTP requests, the statistics get entries of their own: `JOB` (submit to
 a terminal status), `TTFT`, `ITL` and `QUEUE`. What each class checks and reports, and the
-GENQ_LOCUST_* settings: README.md, "Load testing: locust".
+GENQ_LOCUST_* settings: docs/operations.md, "Load testing: locust".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""genqueue's Python client and `genq` command line (see README: "Python client and CLI")."""
+"""genqueue's Python client and `genq` command line (see docs/api.md: "Python client and CLI")."""
 
 from genqueue.client import Client, Restart, TokenStream, result_text
 from genqueue.errors import (

@@ -1,6 +1,6 @@
 """`make test-compose`'s build settings (scripts/compose_check.py).
 
-Building needs what pip needs (README, "Building behind a mirror"): PIP_INDEX_URL,
+Building needs what pip needs (docs/deploying.md, "Building behind a mirror"): PIP_INDEX_URL,
 PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS, PIP_TRUSTED_HOST, PIP_CERT and TORCH_INDEX, from the
 environment or else from `.env`. A find-links folder or `file://` index on this host (which a
 build cannot see) is served over HTTP on 127.0.0.1 for the build's duration, and the builds

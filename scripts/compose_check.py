@@ -6,8 +6,9 @@ What `tests/test_compose.py` checks by reading the files, this checks with a Doc
    (Dockerfile.vllm) with `docker compose build`, the project's files as they are;
 2. `docker compose up -d` with the profiles `vllm`, `locust` and `flower` and API keys on,
    and waits for every service to be healthy (model-init: exited 0);
-3. checks against it: 401 without a key; a job on each engine by the README's model names
-   (`tiny-opt`, `tiny-opt-vllm`; a job without `model` goes to `tiny-opt`); Flower behind its
+3. checks against it: 401 without a key; a job on each engine by the docs' model names
+   (`smollm2-135m-instruct`, `smollm2-135m-instruct-vllm`; a job without `model` goes to the
+   first), each answering "What is the capital of France?" with Paris; Flower behind its
    basic auth; locust's master with a worker, running a short swarm against the api with no
    failure; a worker that exits (killed) restarted by its restart policy and serving again;
    two hf workers (`--scale worker=2`) sharing jobs; a job queued while no worker runs, then
@@ -49,8 +50,9 @@ from scripts.compose_build import (  # noqa: F401 (serve_local, start_wheel_serv
 from scripts.compose_stack import MIN_COMPOSE, PROFILES, PROJECT, ROOT, SLOW, Stack, compose_version, override_file
 
 HF_IMAGE, VLLM_IMAGE = "genqueue:latest", "genqueue-vllm:latest"
-# The README's names: the default model and its vLLM worker's.
-HF_MODEL, VLLM_MODEL = "tiny-opt", "tiny-opt-vllm"
+# The docs' names (docs/deploying.md): the default model and its vLLM worker's.
+HF_MODEL, VLLM_MODEL = "smollm2-135m-instruct", "smollm2-135m-instruct-vllm"
+QUESTION, ANSWER = "What is the capital of France?", "Paris"
 
 
 # --------------------------------------------------------------------------- the checks
@@ -120,6 +122,13 @@ def check_models(api: Api) -> None:
     if r.status_code != 200 or r.json().get("model") != VLLM_MODEL:
         raise CheckFailed(f"/v1/completions for {VLLM_MODEL!r}: {r.status_code} {r.text[:300]}")
     say(f"  a job without a model: {HF_MODEL!r}; /v1/completions for {VLLM_MODEL!r}: 200")
+    for model in (HF_MODEL, VLLM_MODEL):  # the real model, through its chat template, greedy
+        body = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 32, "temperature": 0}
+        r = api.http.post("/v1/chat/completions", json=body, headers=api.headers())
+        answer = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else ""
+        if ANSWER not in (answer or ""):
+            raise CheckFailed(f"{model!r} asked {QUESTION!r}: {r.status_code} {r.text[:300]}")
+        say(f"  {model!r}: {QUESTION!r} -> {answer!r}")
 
 
 def check_flower(stack: Stack, auth: str) -> None:
@@ -293,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
         say("API keys")
         check_keys(api)
-        say("a job on each engine by the README's model names")
+        say("a job on each engine by the docs' model names")
         check_models(api)
         say("Flower")
         check_flower(stack, flower_auth)

@@ -1,32 +1,7 @@
-"""Fair share between API keys inside one priority.
-
-kombu's Redis transport keeps a Celery queue's messages in one list per priority step, served
-first-in, first-out: one key that submits 300 jobs at once would make every other key wait
-behind all 300. With fair share on (GENQ_FAIR_SHARE), each of those lists is kept shallow:
-
-- The API (tasks/job_lua.py `CREATE`, with `PUSH_LUA`) pushes a job's message straight onto its
-  list only while that list holds fewer than GENQ_FAIR_DEPTH messages and no line of that
-  priority step is waiting. Otherwise the message goes to the end of its owner's line (a
-  Redis list per queue, step and owner: `keys.fair_line`), the owner joins the step's active
-  owners (`keys.fair_owners`, a zset) and the same call refills the list.
-- Refilling (`FILL_LUA`, one Lua call: pop from a line, push onto the list, nothing in
-  between) takes from the lines in weighted turns, by start-time fair queueing: each active
-  owner is scored with the virtual time of its next turn; the lowest score goes next (ties by
-  name), the step's clock (`keys.fair_clock`) becomes that score, and the owner's score grows
-  by 1 / its weight (`weight=` in the keys file, webapp/auth.py). An owner whose line was empty
-  joins at the clock: it goes before every owner that has had a turn since (a calm key waits
-  for about one turn, not for the flood), and one that waits all along gets its weight's share.
-- The workers refill their queue's lists as they take each job with an owner (worker/tasks.py;
-  a job without one never waited in a line), and on every heartbeat (worker/recovery.py
-  `Reaper.refill`), so nothing is stranded if a mover dies.
-
-Priorities come first as before: each step's list is filled on its own and the workers take
-from the lowest step that has a message. Jobs without an owner (an open API) and jobs placed
-in a worker's lane (tasks/placement.py, bounded by GENQ_PLACEMENT_MAX_WAITING) go straight to
-their list, as without fair share. A job cancelled or expired while in a line is skipped when
-its message reaches a worker, as one cancelled in the list is. Recovery counts messages in
-lines as queued (`FairLines.waiting_ids`). docs/design.md, "Fair share between keys", says why.
-"""
+"""Fair share between API keys inside one priority: each key's jobs wait in a line of their own
+and the workers take from the lines in weighted turns (start-time fair queueing), so one key's
+flood does not make the others wait behind all of it (GENQ_FAIR_SHARE, GENQ_FAIR_DEPTH). How
+the lines, the refill and recovery fit together: docs/design.md, "Fair share between keys"."""
 
 from __future__ import annotations
 

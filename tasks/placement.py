@@ -1,24 +1,7 @@
-"""Cache-aware placement across the workers of one model.
-
-A worker whose engine keeps a prefix cache (the hf engine's, vLLM's) consumes two Celery queues:
-its model's shared queue and a lane of its own (`keys.lane`). When it starts a job whose prompt
-is long, it records under digests of the prompt's leading text that it ran it
-(`genq:placed:<queue>:<digest>`, for `PLACED_TTL_S`). The API looks the digests of a new job's
-prompt up, longest first; if the worker found is alive, consumes a lane and has fewer than
-`GENQ_PLACEMENT_MAX_WAITING` jobs waiting in it, the job's message goes onto that lane, where
-the prefix's keys and values most likely still are, instead of the shared queue. Everything
-else about the job is as on the shared queue: its record (queue, depth, quotas) names the shared
-queue, attempt fencing is the same, and recovery gives a message back to the shared queue, never
-to a lane (`tasks/kombu_compat.py` `unlane_restores`); a lane whose worker is gone is drained
-into the shared queue by the workers that remain (worker/recovery.py). docs/design.md,
-"Placement across workers", says why it is built this way.
-
-The digests are of text, as the API sees a request, not of tokens: a completion's prompt at
-`GENQ_PLACEMENT_MIN_CHARS` and its doublings; a prompt of token ids at a quarter of that and its
-doublings; a conversation at each of its leading messages (its system prompt, its earlier turns)
-once they reach `GENQ_PLACEMENT_MIN_CHARS`. A digest names where a prefix was last run, not that
-it is still cached: a wrong guess costs a prefill, as on the shared queue.
-"""
+"""Cache-aware placement across the workers of one model: a job whose prompt starts like one a
+worker ran lately goes to that worker's own lane, where the prefix is likely still cached,
+instead of the shared queue. How lanes, digests and recovery work: docs/design.md, "Placement
+across workers"."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def spec(i: int, prompt: str, n: int, priority: int = 0) -> JobSpec:
     return JobSpec(id=f"a{i}", model="t", prompt=prompt, priority=priority, params=SamplingParams(max_new_tokens=n))
 
 
-# The same parity on a GPU where torch sees one (README: "On a GPU"); packed linears are a CPU path.
+# The same parity on a GPU where torch sees one (docs/deploying.md: "On a GPU"); packed linears are a CPU path.
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 VARIANTS = [
     pytest.param("cpu", True, id="cpu-packed"),

@@ -36,6 +36,7 @@ if str(REPO_ROOT) not in sys.path:  # so `scripts.stack` imports however pytest 
 
 APP_SERVICES = ("model-init", "worker", "api")
 TINY_MODEL_PATH = "/models/tiny-opt"
+DEFAULT_MODEL_PATH = "/models/smollm2-135m-instruct"  # SmolLM2-135M-Instruct, as `make run` serves
 API_PORT = 8000
 
 
@@ -383,7 +384,7 @@ def test_api_and_worker_share_redis_and_model(services):
     assert url.hostname == "redis" and "redis" in services
     assert (url.port or 6379) == 6379
     # The api routes jobs to the queue of the model the worker serves.
-    assert api.get("GENQ_MODEL") == worker.get("GENQ_MODEL") == TINY_MODEL_PATH
+    assert api.get("GENQ_MODEL") == worker.get("GENQ_MODEL") == DEFAULT_MODEL_PATH
     assert api.get("GENQ_MODEL_NAME") == worker.get("GENQ_MODEL_NAME")
 
 
@@ -406,13 +407,14 @@ def test_model_volume_is_shared_and_built_by_model_init(compose, services):
     assert not init_ro, "model-init must be able to write the models volume"
 
     script = " ".join(interpolate(argv(services["model-init"]["command"])))
+    assert f"scripts.realmodel --out {DEFAULT_MODEL_PATH}" in script
     assert f"scripts.devmodels --shape tiny --out {TINY_MODEL_PATH}" in script
     # The shell (not compose) must see $GENQ_MODEL: i.e. it was escaped as $$ in the file.
     assert "$GENQ_MODEL" in script or "${GENQ_MODEL}" in script
-    assert TINY_MODEL_PATH in env_of(services["model-init"]).get("GENQ_MODEL", "")
+    assert DEFAULT_MODEL_PATH in env_of(services["model-init"]).get("GENQ_MODEL", "")
 
 
-def test_model_init_script_only_builds_when_model_is_the_tiny_one(services, tmp_path):
+def test_model_init_script_only_builds_a_bundled_model(services, tmp_path):
     """Run model-init's shell script with a stub `python` to check the branch logic."""
     cmd = interpolate(argv(services["model-init"]["command"]))
     assert cmd and cmd[0] in {"sh", "/bin/sh", "bash", "/bin/bash"} and "-c" in cmd
@@ -429,6 +431,7 @@ def test_model_init_script_only_builds_when_model_is_the_tiny_one(services, tmp_
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 
+    assert f"PYTHON -m scripts.realmodel --out {DEFAULT_MODEL_PATH}" in run(DEFAULT_MODEL_PATH)
     assert f"PYTHON -m scripts.devmodels --shape tiny --out {TINY_MODEL_PATH}" in run(TINY_MODEL_PATH)
     assert "PYTHON" not in run("facebook/opt-125m")
 
@@ -647,6 +650,11 @@ def test_vllm_worker_runs_the_worker_from_its_own_image(services, stack_commands
     assert volume_mounts(svc)["/models"] == ("models", True)
 
 
+def docs_text() -> str:
+    """The README and the page that owns deploying."""
+    return (REPO_ROOT / "README.md").read_text() + (REPO_ROOT / "docs" / "deploying.md").read_text()
+
+
 def test_gpu_override_reserves_gpus_and_switches_to_the_cuda_build(services):
     override = yaml.safe_load(GPU_OVERRIDE.read_text())["services"]
     assert set(override) == {"vllm-worker"}
@@ -656,7 +664,7 @@ def test_gpu_override_reserves_gpus_and_switches_to_the_cuda_build(services):
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     for name in ("requirements-vllm.txt", "requirements-vllm-cpu.txt"):
         assert (REPO_ROOT / name).is_file()
-    assert "docker-compose.gpu.yml" in (REPO_ROOT / "README.md").read_text()
+    assert "docker-compose.gpu.yml" in docs_text()
 
 
 def test_dockerfile_vllm():
@@ -848,32 +856,36 @@ def test_gpu_build_keeps_the_pip_settings():
 
 
 def test_vllm_image_has_what_the_vllm_wheel_links():
-    """vllm._C (the CPU build) links libnuma.so.1, which the slim image lacks; the build imports
-    it, so a missing library fails the build rather than crash-looping the worker."""
+    """vllm._C* (the CPU build's kernels) link libnuma.so.1, which the slim image lacks; the build
+    loads them as vLLM does and asks for an op, so a missing library fails the build rather than
+    crash-looping the worker. Not `import vllm._C` by name: that build is AVX-512's, and dies of
+    SIGILL on an AVX2-only CPU, where vLLM loads _C_AVX2."""
     runs = " ".join(rest for op, rest in _instructions(DOCKERFILE_VLLM) if op == "RUN")
     assert re.search(r"apt-get \S* ?install -y --no-install-recommends [^;]*\blibnuma1\b", runs), runs
-    assert "__import__('vllm._C')" in runs
+    assert "import_kernels()" in runs and "torch.ops._C." in runs
+    assert "vllm._C'" not in runs and "import vllm._C" not in runs
 
 
 def test_served_model_names_are_the_readmes(services):
-    """Compose serves the default model as `tiny-opt` and its vLLM worker's as `tiny-opt-vllm`,
-    as the README names them; a model set in .env serves under
+    """Compose serves the default model as `smollm2-135m-instruct` (as `make run` does) and its
+    vLLM worker's as `smollm2-135m-instruct-vllm`,
+    as the README and docs/deploying.md name them; a model set in .env serves under
     its own name unless GENQ_MODEL_NAME says otherwise, and the vLLM worker's is `<name>-vllm`."""
     from scripts import compose_check
 
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert '"model": "tiny-opt"' in readme and 'model "tiny-opt-vllm"' in readme
+    docs = docs_text()
+    assert '"model": "smollm2-135m-instruct"' in docs and 'model "smollm2-135m-instruct-vllm"' in docs
     cases = [
-        ({}, "tiny-opt", "tiny-opt-vllm"),
+        ({}, "smollm2-135m-instruct", "smollm2-135m-instruct-vllm"),
         ({"GENQ_MODEL": "facebook/opt-125m"}, "facebook/opt-125m", "facebook/opt-125m-vllm"),
         ({"GENQ_MODEL": "facebook/opt-125m", "GENQ_MODEL_NAME": "opt"}, "opt", "opt-vllm"),
-        ({"GENQ_VLLM_MODEL_NAME": "fast"}, "tiny-opt", "fast"),
+        ({"GENQ_VLLM_MODEL_NAME": "fast"}, "smollm2-135m-instruct", "fast"),
     ]
     for env, hf, vllm in cases:
         for name in ("api", "worker"):
             assert interpolate(services[name]["environment"]["GENQ_MODEL_NAME"], env) == hf, (name, env)
         assert interpolate(services["vllm-worker"]["environment"]["GENQ_MODEL_NAME"], env) == vllm, env
-    assert (compose_check.HF_MODEL, compose_check.VLLM_MODEL) == ("tiny-opt", "tiny-opt-vllm")
+    assert (compose_check.HF_MODEL, compose_check.VLLM_MODEL) == ("smollm2-135m-instruct", "smollm2-135m-instruct-vllm")
 
 
 # --------------------------------------------------------------------------- make test-compose
@@ -886,7 +898,7 @@ def test_make_test_compose_runs_the_check_and_make_test_does_not():
     for target in ("test", "test-core"):
         rule = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, re.M)
         assert rule and "compose_check" not in rule.group(0), target
-    assert "make test-compose" in (REPO_ROOT / "README.md").read_text()
+    assert "make test-compose" in docs_text()
 
 
 def test_compose_check_serves_local_wheels_to_the_build(tmp_path):

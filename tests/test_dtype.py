@@ -47,7 +47,7 @@ def test_the_hf_engine_loads_the_weights_auto_chooses(tiny_model, caplog):
 
 
 def test_bfloat16_keeps_to_the_stated_tolerance(tiny_model, reference):
-    """The tolerance README states for bfloat16 (what `auto` picks on AMX/AVX512-BF16 CPUs):
+    """The tolerance docs/api.md ("Jobs") states for bfloat16 (what `auto` picks on AMX/AVX512-BF16 CPUs):
     greedy jobs run together in one batch give float32 `model.generate`'s first 8 tokens on
     every test prompt, and its whole 32-token text on at least 6 of the 8 (bfloat16 rounds
     differently in each batch shape, so a close pair of logits may swap later on)."""

@@ -1,24 +1,6 @@
-"""API keys: who may call the API, under which name, within which limits.
-
-Without keys the API is open, as a development server on a loopback address may be. With
-`GENQ_API_KEYS` (a comma list) or `GENQ_API_KEYS_FILE`, every route but health and metrics
-needs `Authorization: Bearer <key>`, which is what OpenAI clients send for `api_key=`; a
-missing or unknown key is a 401. Keys are held only as SHA-256 digests, compared in constant
-time, and never logged: the rest of the system (job records, Celery messages, logs) knows a
-key by its name, and a job belongs to the name that created it.
-
-The keys file holds one key per line; blank lines and lines starting with `#` are skipped:
-
-    <key, or sha256:<its hex digest>> [name=<name>] [max_queued=<n>] [max_new_tokens=<n>]
-        [rpm=<n>] [tpm=<n>] [weight=<n>] [admin=true|false]
-
-`max_queued` caps the key's waiting jobs (over all models), `max_new_tokens` the tokens one
-job may ask for; `rpm` its requests and `tpm` its tokens per minute (webapp/limits.py `admit`).
-`weight` is its share of the workers' turns within a priority against the other keys with jobs
-waiting (default 1; tasks/fair.py). `admin=true`: the key sees every key's usage (GET
-/v1/usage). A key without `name=` (every key of GENQ_API_KEYS) is named
-`key-<the first 8 hex digits of its digest>`. Both sources are read once, at start.
-"""
+"""API keys: who may call the API, under which name, within which limits. Keys are held only as
+SHA-256 digests, compared in constant time and never logged; the rest of the system knows a
+key by its name. The keys file's format and every option: docs/api.md, "API keys"."""
 
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
-"""The API's Prometheus metrics at `/metrics`, and the log line of every job it queues.
-
-gunicorn runs several API processes; prometheus_client's multiprocess mode makes their counts
-one: each process writes its values to files in `PROMETHEUS_MULTIPROC_DIR` (prepared by
-webapp/gunicorn_conf.py, which also marks exited processes dead) and `/metrics`, in whichever
-process answers, adds them all up. Without that directory (the Flask test client, a single
-process) the process's own registry is served.
-
-What the API counts: requests by route, method and status, and their latency by route and
-method (`genq:api_request_duration_seconds`); jobs queued, per model; job
-submissions refused with 429 or 503, by the error's code; open token streams. Live workers per
-model and engine, the jobs waiting per model (`genq:num_requests_waiting`: the queue's exact
-depth, priority sub-queues included, tasks/jobs.py) and the tokens used per API key and model
-(`genq:key_tokens_total{key,model_name,kind}`, `genq:key_jobs_total`: tasks/usage.py, counted
-by the workers) are read from Redis when scraped.
-
-Every job message the API publishes carries the time it was queued (header `genq_created`),
-from which its worker measures queue time and time to first token without asking Redis
-(worker/metrics.py), and gets one log line (`job queued`, tasks/logs.py). Those two stay on with
-`GENQ_API_METRICS=false`, which turns off the counting and `/metrics`.
-"""
+"""The API's Prometheus metrics at `/metrics` (added up over gunicorn's processes), and the log
+line and queued-at header of every job it queues. What is counted where, and why:
+docs/design.md, "API metrics"; the metrics themselves: docs/operations.md, "Observability"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """OpenAI's /v1/completions, with vLLM's extensions: the request (it turns itself into the
 request's jobs, `to_jobs()`), its answer and its stream's chunks.
 
-The unknown-field policy (README): the parameters this server implements go into the job's
+The unknown-field policy (docs/api.md): the parameters this server implements go into the job's
 SamplingParams; those that cannot change the output are accepted and ignored; those that would
 and are not implemented are accepted at their neutral values only (`NEUTRAL`) and refused with
 a 400 naming them otherwise; a field in neither OpenAI's schema nor vLLM's is a 400
