@@ -2,8 +2,8 @@
 
 Without keys the API is open, as a development server on a loopback address may be. With
 `GENQ_API_KEYS` (a comma list) or `GENQ_API_KEYS_FILE`, every route but health and metrics
-needs `Authorization: Bearer <key>`, which is what OpenAI clients send for `api_key=`; a
-missing or unknown key is a 401. Keys are held only as SHA-256 digests, compared in constant
+needs `Authorization: Bearer <key>`, which is what OpenAI clients send for `api_key=` (or
+`x-api-key: <key>`, Anthropic's clients' header); a missing or unknown key is a 401. Keys are held only as SHA-256 digests, compared in constant
 time, and never logged: the rest of the system (job records, Celery messages, logs) knows a
 key by its name, and a job belongs to the name that created it.
 
@@ -128,9 +128,11 @@ class KeyTable:
 
 
 def _bearer() -> str | None:
+    """The key the request presents: `Authorization: Bearer <key>`, or Anthropic's `x-api-key`
+    header (what Anthropic's clients send for `api_key=`)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer":
-        return None
+        return request.headers.get("x-api-key", "").strip() or None
     return token.strip() or None
 
 
