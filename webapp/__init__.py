@@ -14,6 +14,7 @@ from webapp import auth, batches, callbacks, completions, errors, idempotency, i
 from webapp.bodyguard import BodyGuard
 from webapp.routes import batches as batch_routes
 from webapp.routes import health, jobs, openai, teaching, tokens, usage
+from webapp.routes import messages as message_routes
 from webapp.routes import responses as response_routes
 from webapp.service import EXTENSION, JobService
 
@@ -56,7 +57,17 @@ def create_app(settings: Settings | None = None) -> Flask:
     ids.init_app(app)  # after auth: its 401 comes first
     openapi.init_app(app)
     batches.init_app(app, settings)
-    for bp in (health.bp, jobs.bp, teaching.bp, openai.bp, tokens.bp, batch_routes.bp, usage.bp, response_routes.bp):
+    for bp in (
+        health.bp,
+        jobs.bp,
+        teaching.bp,
+        openai.bp,
+        tokens.bp,
+        batch_routes.bp,
+        usage.bp,
+        response_routes.bp,
+        message_routes.bp,
+    ):
         app.register_blueprint(bp)
     # No client holds the API by sending its bodies slowly (webapp/bodyguard.py).
     app.wsgi_app = BodyGuard(app.wsgi_app, settings.body_timeout, settings.max_bodies_per_client)
