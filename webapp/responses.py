@@ -15,6 +15,8 @@ after the one named: no gap, no duplicate."""
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
@@ -26,11 +28,13 @@ from tasks.streams import Restart, StreamEnd
 from webapp import sse
 from webapp.auth import ApiKey
 from webapp.completions import CompletionService, Submitted, chat_choice
-from webapp.errors import APIError, owned
+from webapp.errors import BROKER_ERRORS, APIError, owned
 from webapp.parsers import REASONING_FIELD
 from webapp.protocol import responses as proto
 from webapp.protocol.chat import ChatCompletionRequest
 from webapp.protocol.common import cached_tokens, invalid
+
+log = logging.getLogger(__name__)
 
 EXTENSION = "genq_responses"
 
@@ -115,6 +119,16 @@ class ResponseService:
             if rec["store"]:
                 self.keep(rec)
         return obj
+
+    def ended(self, rec: dict[str, Any], obj: dict[str, Any]) -> None:
+        """A stream saw the response end: kept at once, so that a GET right after the stream
+        agrees with it (the job's record may still say running for a moment)."""
+        if rec["store"] and not rec.get("final"):
+            rec["final"] = obj
+            try:
+                self.keep(rec)
+            except BROKER_ERRORS as exc:
+                log.warning("could not keep the end of response %s: %s", rec["id"], exc)
 
     def keep(self, rec: dict[str, Any]) -> None:
         """Write the record again, for what is left of its TTL."""
@@ -206,7 +220,7 @@ class ResponseService:
         if not rec["streamed"]:
             raise invalid("stream", f"{rec['id']} was created without stream or background: it has no events")
         sub = sub or Submitted.from_entry(rec["entry"])
-        events = ResponseEvents(rec, sub, after)
+        events = ResponseEvents(rec, sub, after, on_final=lambda obj: self.ended(rec, obj))
         job_ids = [rec["job_id"]]
         if after >= 0 and self.current(rec)["status"] not in ("queued", "in_progress"):
             frames = events.replay(self.jobs.events(job_ids))
@@ -221,8 +235,9 @@ class ResponseEvents:
     """A response's stream events from its job's token events, numbered (`sequence_number`)
     from 0; those up to `after` are counted and not sent."""
 
-    def __init__(self, rec: dict[str, Any], sub: Submitted, after: int = -1):
+    def __init__(self, rec: dict[str, Any], sub: Submitted, after: int = -1, on_final: Callable | None = None):
         self.rec, self.rid, self.after, self.seq = rec, rec["id"], after, 0
+        self.on_final = on_final  # called with the response once it has ended
         parser = sub.jobs.output_parser()
         self.parser = parser.stream() if parser is not None else None
         self.text = ""  # the job's text so far
@@ -404,6 +419,8 @@ class ResponseEvents:
                 "cached_tokens": cached_tokens(use),
             }
             obj = finished(self.rec, result)
+            if self.on_final is not None:
+                self.on_final(obj)
             out.append(self.emit(f"response.{obj['status']}", response=obj))
         return "".join(out)
 
