@@ -201,7 +201,7 @@ def test_bad_requests_are_4xx_in_anthropics_shape(client, stack):
         assert resp.status_code == 400, (body, resp.text)
         err = resp.json()
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
-        assert field in err["error"]["message"], err
+        assert field in err["error"]["message"] and err["error"]["param"] == field, err
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=stack.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=100_000)
     with pytest.raises(anthropic.NotFoundError):

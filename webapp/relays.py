@@ -215,11 +215,11 @@ class MessagesRelay:
 
     def end(self, _job_id, ev) -> sse.Last:
         status = job_error_status(ev.error["code"])
-        return sse.Last(sse.event(messages.error(status, ev.error["message"]), "error"))
+        return sse.Last(sse.event(messages.error(status, ev.error["code"], ev.error["message"]), "error"))
 
     def restart(self, _job_id, _ev) -> sse.Last:
         text = "the message started over on another worker; send the request again"
-        return sse.Last(sse.event(messages.error(502, text), "error"))
+        return sse.Last(sse.event(messages.error(502, "worker_lost", text), "error"))
 
     def response(self, events) -> Response:
         return sse.relay(events, self.token, self.end, self.restart, self.head(), comments=False)

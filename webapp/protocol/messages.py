@@ -6,10 +6,11 @@ the `message` object, stream events and errors it is answered with."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from webapp.errors import error_body
 from webapp.protocol.common import invalid, unsupported
 from webapp.protocol.sampling import Seed
 
@@ -231,11 +232,8 @@ def message(
     }
 
 
-ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error", "api_error"]
-
-
-def error(status: int, text: str) -> dict[str, Any]:
-    """Anthropic's error body."""
-    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
-    kind = kinds.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": text}}
+def error(status: int, code: str, text: str, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's error body (`{"type": "error", "error": {"type", "message"}}`) that is also
+    this API's one error shape (webapp/protocol/errors.py: `code`, `param`); Anthropic's
+    clients tell errors apart by their HTTP status."""
+    return {"type": "error", **error_body(status, code, text, param)}

@@ -31,12 +31,13 @@ def create_message():
     try:
         return _answer()
     except APIError as exc:
-        resp = jsonify(proto.error(exc.status, exc.message))
+        resp = jsonify(proto.error(exc.status, exc.code, exc.message, exc.param))
         resp.status_code = exc.status
         resp.headers.update(exc.headers or {})
         return resp
     except ValidationError as exc:
-        resp = jsonify(proto.error(400, describe(exc)))
+        first = ".".join(str(p) for p in exc.errors(include_url=False)[0]["loc"]) or None
+        resp = jsonify(proto.error(400, "invalid_request", describe(exc), first))
         resp.status_code = 400
         return resp
 
