@@ -405,3 +405,50 @@ def test_a_background_response_survives_an_api_restart(client, stack):
     with make_client(stack) as fresh:
         done = wait_for(fresh, r.id)
         assert done.status == "incomplete" and done.usage.output_tokens == 30 and "Paris" in done.output_text
+
+
+@pytest.mark.timeout(480)
+def test_a_background_response_survives_a_redis_restart(make_stack, tmp_path):
+    """The tiny model (plumbing only) on a Redis with an append-only file, killed while the
+    response runs: the response, kept for GENQ_RESPONSE_TTL, ends as its job does, and its
+    stream still resumes."""
+    from pathlib import Path
+
+    import redis as redis_client
+    from helpers import KillableRedis
+
+    from tasks import keys
+
+    db = KillableRedis(tmp_path, fsync="everysec")
+    template = Path(__file__).with_name("chat_template.jinja")
+    s = make_stack(REDIS_URL=db.url, GENQ_CHAT_TEMPLATE=str(template), GENQ_RESPONSE_TTL="3600")
+    try:
+        s.start_api()
+        s.start_worker()
+        s.wait_ready()
+        with openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            r = c.responses.create(
+                model=s.name,
+                input="Hello",
+                background=True,
+                max_output_tokens=400,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            ttl = redis_client.Redis.from_url(db.url).ttl(keys.response(r.id))
+            assert 3500 < ttl <= 3600
+            end = time.monotonic() + 30
+            while c.responses.retrieve(r.id).status == "queued" and time.monotonic() < end:
+                time.sleep(0.1)
+            before = c.responses.retrieve(r.id).status
+            db.kill()
+            time.sleep(3)
+            db.start()
+            done = wait_for(c, r.id, 300)
+            assert before == "in_progress"  # the kill came while it ran
+            assert done.status == "incomplete" and done.usage.output_tokens == 400
+            events = events_of(c.responses.retrieve(r.id, stream=True, starting_after=5))
+            assert events[0].sequence_number == 6 and events[-1].response.output_text == done.output_text
+    finally:
+        s.stop()
+        db.stop()
