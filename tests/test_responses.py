@@ -452,3 +452,108 @@ def test_a_background_response_survives_a_redis_restart(make_stack, tmp_path):
     finally:
         s.stop()
         db.stop()
+
+
+# -- the pure parts ---------------------------------------------------------------------------
+
+
+def test_input_items_become_chat_messages():
+    from webapp.protocol.responses import ResponsesRequest, to_messages
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+        },
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        call,
+        {**call, "call_id": "c2", "name": "g"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "2"}]},
+    ]
+    assert to_messages(items) == [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "a\nb"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "content": "1", "tool_call_id": "c1"},
+        {"role": "tool", "content": "2", "tool_call_id": "c2"},
+    ]
+    req = ResponsesRequest.model_validate(
+        {
+            "input": "hi",
+            "instructions": "sys",
+            "tools": [FORECAST],
+            "tool_choice": {"type": "function", "name": "get_forecast"},
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": CITY}},
+            "max_output_tokens": 9,
+            "ignore_eos": True,
+        }
+    )
+    body = req.chat_body([{"role": "user", "content": "before"}], to_messages(req.input_items()))
+    assert body["messages"] == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "before"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert body["tools"] == [{"type": "function", "function": {k: v for k, v in FORECAST.items() if k != "type"}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_forecast"}}
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "x", "schema": CITY}}
+    assert body["max_tokens"] == 9 and body["ignore_eos"] is True
+
+
+def test_anthropic_messages_become_chat_messages():
+    from webapp.protocol.messages import MessagesRequest
+
+    req = MessagesRequest.model_validate(
+        {
+            "max_tokens": 5,
+            "system": [{"type": "text", "text": "sys"}],
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "Let me look."},
+                        {"type": "tool_use", "id": "t1", "name": "get_forecast", "input": {"city": "Paris", "days": 1}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "sunny"}]},
+                        {"type": "text", "text": "thanks"},
+                    ],
+                },
+            ],
+            "tools": [{"name": "get_forecast", "input_schema": CITY}],
+            "tool_choice": {"type": "any"},
+            "stop_sequences": ["\n\n"],
+        }
+    )
+    body = req.chat_body()
+    arguments = json.dumps({"city": "Paris", "days": 1})
+    assert body["messages"] == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "get_forecast", "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "t1"},
+        {"role": "user", "content": "thanks"},
+    ]
+    assert body["tool_choice"] == "required" and body["stop"] == ["\n\n"] and body["max_tokens"] == 5
+    assert body["tools"] == [{"type": "function", "function": {"name": "get_forecast", "parameters": CITY}}]
