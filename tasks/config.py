@@ -178,6 +178,9 @@ class LimitSettings(_Env):
         3, ge=1, description="attempts at a job whose worker dies or hangs before it fails (worker_lost)"
     )
     result_ttl: int = Field(86_400, ge=60, description="seconds a job and its result are kept")
+    response_ttl: int = Field(
+        86_400, ge=60, description="seconds a stored /v1/responses response (its conversation and output) is kept"
+    )
     max_queue_depth: int = Field(1000, ge=1)
     max_wait: float = Field(300.0, ge=0, description="longest ?wait= and blocking call, seconds")
 

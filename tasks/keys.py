@@ -183,3 +183,9 @@ def fair_clock(queue: str, step: int) -> str:
 
 # owner -> its weight, as its API key last said (the mover reads it).
 FAIR_WEIGHTS = f"{PREFIX}:fair:weights"
+
+
+def response(response_id: str) -> str:
+    """A stored /v1/responses response: its request, conversation, job and, once ended, its
+    answer (webapp/responses.py), for GENQ_RESPONSE_TTL."""
+    return f"{PREFIX}:response:{response_id}"

@@ -181,6 +181,24 @@ def test_the_think_span_is_reasoning_and_the_rest_content(client, think_stack):
     assert streamed(client, think_stack, **off) == (None, answer.choices[0].message.content)
 
 
+def test_a_responses_answer_has_its_think_span_as_a_reasoning_item(client, think_stack):
+    """/v1/responses: thinking on, the output is a `reasoning` item (its stream's
+    reasoning_text deltas join to it); `reasoning.effort: "none"` turns thinking off (as
+    chat's reasoning_effort), and the output is a message."""
+    import uuid
+
+    kw = dict(model=think_stack.name, input=MESSAGES[0]["content"], max_output_tokens=12, temperature=0)
+    on = client.responses.create(**kw)
+    text = job_text(think_stack, "chatcmpl-" + str(uuid.UUID(on.id.removeprefix("resp_"))))
+    (item,) = on.output
+    assert item.type == "reasoning" and item.content[0].text == text and on.output_text == ""
+    events = list(client.responses.create(stream=True, **kw))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == text and events[-1].response.output[0].content[0].text == text
+    off = client.responses.create(reasoning={"effort": "none"}, **kw)
+    assert [o.type for o in off.output] == ["message"] and off.output_text
+
+
 def test_structured_output_applies_after_the_reasoning(client, think_stack):
     """Thinking on: the constraint waits for `</think>` (which the tiny model never writes), so
     the text is the unconstrained one; thinking off: it holds from the first token."""

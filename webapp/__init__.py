@@ -10,10 +10,12 @@ from redis.retry import Retry
 from tasks import redis_conn
 from tasks.celery_app import BLOCKING_SOCKET_TIMEOUT_S, SENDER_CONNECT_TIMEOUT_S, SENDER_SOCKET_TIMEOUT_S, make_sender
 from tasks.config import Settings, get_settings
-from webapp import auth, batches, callbacks, completions, errors, idempotency, ids, metrics, openapi
+from webapp import auth, batches, callbacks, completions, errors, idempotency, ids, metrics, openapi, responses
 from webapp.bodyguard import BodyGuard
 from webapp.routes import batches as batch_routes
 from webapp.routes import health, jobs, openai, teaching, tokens, usage
+from webapp.routes import messages as message_routes
+from webapp.routes import responses as response_routes
 from webapp.service import EXTENSION, JobService
 
 
@@ -44,7 +46,8 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     client, blocking = redis_client(SENDER_SOCKET_TIMEOUT_S), redis_client(BLOCKING_SOCKET_TIMEOUT_S)
     app.extensions[EXTENSION] = service = JobService(settings, client, make_sender(settings), blocking)
-    app.extensions[completions.EXTENSION] = completions.CompletionService(service)
+    app.extensions[completions.EXTENSION] = answers = completions.CompletionService(service)
+    app.extensions[responses.EXTENSION] = responses.ResponseService(answers)
     app.extensions[callbacks.EXTENSION] = callbacks.CallbackDeliverer(service, settings)
     idempotency.init_app(app, client)
 
@@ -54,7 +57,17 @@ def create_app(settings: Settings | None = None) -> Flask:
     ids.init_app(app)  # after auth: its 401 comes first
     openapi.init_app(app)
     batches.init_app(app, settings)
-    for bp in (health.bp, jobs.bp, teaching.bp, openai.bp, tokens.bp, batch_routes.bp, usage.bp):
+    for bp in (
+        health.bp,
+        jobs.bp,
+        teaching.bp,
+        openai.bp,
+        tokens.bp,
+        batch_routes.bp,
+        usage.bp,
+        response_routes.bp,
+        message_routes.bp,
+    ):
         app.register_blueprint(bp)
     # No client holds the API by sending its bodies slowly (webapp/bodyguard.py).
     app.wsgi_app = BodyGuard(app.wsgi_app, settings.body_timeout, settings.max_bodies_per_client)

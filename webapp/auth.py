@@ -1,6 +1,7 @@
-"""API keys: who may call the API, under which name, within which limits. Keys are held only as
-SHA-256 digests, compared in constant time and never logged; the rest of the system knows a
-key by its name. The keys file's format and every option: docs/api.md, "API keys"."""
+"""API keys: who may call the API, under which name, within which limits. Keys come as
+`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's); they are
+held only as SHA-256 digests, compared in constant time and never logged; the rest of the system
+knows a key by its name. The keys file's format and every option: docs/api.md, "API keys"."""
 
 from __future__ import annotations
 
@@ -110,9 +111,11 @@ class KeyTable:
 
 
 def _bearer() -> str | None:
+    """The key the request presents: `Authorization: Bearer <key>`, or Anthropic's `x-api-key`
+    header (what Anthropic's clients send for `api_key=`)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer":
-        return None
+        return request.headers.get("x-api-key", "").strip() or None
     return token.strip() or None
 
 

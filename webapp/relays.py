@@ -14,7 +14,7 @@ from flask import Response
 from webapp import sse
 from webapp.errors import error_body, job_error_status
 from webapp.parsers import REASONING_FIELD
-from webapp.protocol import chat, common
+from webapp.protocol import chat, common, messages
 from webapp.protocol.completions import choice, completion
 from webapp.protocol.output import finish_reason
 
@@ -142,3 +142,84 @@ class ChatRelay(Relay):
         # Every choice opens with the assistant's role, as vLLM's and OpenAI's streams do.
         role = chat.Delta(role="assistant", content="")
         return [self._event([chat.ChatStreamChoice(index=k, delta=role)]) for k in range(len(self.sub.ids))]
+
+
+class MessagesRelay:
+    """Anthropic's Messages stream of one job (/v1/messages): `message_start`, a text block's
+    `content_block_start`/`_delta`/`_stop`, each tool call a `tool_use` block at the end (its
+    input whole, as the chat stream's calls), `message_delta` with the stop reason and usage,
+    `message_stop`; a failed job's `error` event last."""
+
+    def __init__(self, sub: Any, stops: list[str] | None):
+        self.sub, self.stops = sub, stops
+        self.id = "msg_" + sub.ids[0].replace("-", "")
+        parser = sub.jobs.output_parser()
+        self.parser = parser.stream() if parser is not None else None
+        self.blocks = 0
+        self.text_block: int | None = None
+        self.calls: dict[int, dict[str, str]] = {}
+
+    @staticmethod
+    def _event(kind: str, **data: Any) -> str:
+        return sse.event({"type": kind, **data}, kind)
+
+    def head(self) -> list[str]:
+        start = messages.message(self.id, self.sub.model, [], None, self.stops, messages.usage(0, 0, 0))
+        return [self._event("message_start", message=start)]
+
+    def token(self, _job_id, ev) -> str:
+        if self.parser is None:
+            deltas = [{"content": ev.text}] if ev.text else []
+        else:
+            found = self.parser.feed(ev.text) if ev.text else []
+            if ev.finish:
+                found += self.parser.finish()
+            deltas = [e.delta() for e in found]
+        out: list[str] = []
+        for d in deltas:
+            if d.get("content"):
+                if self.text_block is None:
+                    self.text_block, self.blocks = self.blocks, self.blocks + 1
+                    block = {"type": "text", "text": ""}
+                    out.append(self._event("content_block_start", index=self.text_block, content_block=block))
+                delta = {"type": "text_delta", "text": d["content"]}
+                out.append(self._event("content_block_delta", index=self.text_block, delta=delta))
+            for tc in d.get("tool_calls") or []:
+                call = self.calls.setdefault(tc["index"], {"id": "", "name": "", "arguments": ""})
+                call["id"] = tc.get("id") or call["id"]
+                call["name"] = tc["function"].get("name") or call["name"]
+                call["arguments"] += tc["function"].get("arguments") or ""
+        if ev.finish:
+            out += self._finish(ev)
+        return "".join(out)
+
+    def _finish(self, ev) -> list[str]:
+        out = []
+        if self.text_block is not None:
+            out.append(self._event("content_block_stop", index=self.text_block))
+        calls = [self.calls[i] for i in sorted(self.calls)]
+        for c in calls:
+            index, self.blocks = self.blocks, self.blocks + 1
+            block = {"type": "tool_use", "id": c["id"], "name": c["name"], "input": {}}
+            out.append(self._event("content_block_start", index=index, content_block=block))
+            delta = {"type": "input_json_delta", "partial_json": c["arguments"]}
+            out.append(self._event("content_block_delta", index=index, delta=delta))
+            out.append(self._event("content_block_stop", index=index))
+        reason = messages.stop_reason(ev.finish, calls, self.stops)
+        use = ev.usage or {}
+        usage = messages.usage(use.get("prompt_tokens", 0), use.get("completion_tokens", 0), common.cached_tokens(use))
+        delta = {"stop_reason": reason, "stop_sequence": messages.stop_sequence(reason, self.stops)}
+        out.append(self._event("message_delta", delta=delta, usage=usage))
+        out.append(self._event("message_stop"))
+        return out
+
+    def end(self, _job_id, ev) -> sse.Last:
+        status = job_error_status(ev.error["code"])
+        return sse.Last(sse.event(messages.error(status, ev.error["code"], ev.error["message"]), "error"))
+
+    def restart(self, _job_id, _ev) -> sse.Last:
+        text = "the message started over on another worker; send the request again"
+        return sse.Last(sse.event(messages.error(502, "worker_lost", text), "error"))
+
+    def response(self, events) -> Response:
+        return sse.relay(events, self.token, self.end, self.restart, self.head(), comments=False)
