@@ -138,7 +138,7 @@ class EngineSettings(_Env):
     kv_cache_gib: float | None = Field(
         None,
         gt=0,
-        description="hf engine: memory for the running batch's keys/values; a job whose row could "
+        description="llamacpp engine: llama.cpp's KV cache (default 0.375); hf engine: memory for the running batch's keys/values; a job whose row could "
         "take the batch past it (its prompt and max_new_tokens counted) waits for rows to leave; "
         "default: a quarter of the machine's (the GPU's) memory",
     )

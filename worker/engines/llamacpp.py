@@ -38,9 +38,9 @@ from worker.engines.scheduler import Scheduler, Seq
 
 log = logging.getLogger(__name__)
 
-#: KV cache when GENQ_KV_CACHE_GIB is not set: tens of thousands of tokens for a 0.5-1.5B model,
-#: small beside its weights (llama.cpp allocates and clears the whole cache at start).
-DEFAULT_KV_GIB = 0.5
+#: KV cache when GENQ_KV_CACHE_GIB is not set: 32,768 tokens of Qwen2.5-0.5B (its trained
+#: context), small beside the weights (llama.cpp allocates and clears the whole cache at start).
+DEFAULT_KV_GIB = 0.375
 #: Tokens one llama_decode takes (n_batch; a step's longer batch is fed in several), and the
 #: tokens llama.cpp computes at once inside one (n_ubatch).
 BATCH, UBATCH = 2048, 512
