@@ -78,17 +78,20 @@ def test_openai_completions_on_vllm(expected, vllm_stack):
 
 def test_cancelling_aborts_the_vllm_request(vllm_stack):
     # Sixteen long jobs share the batch, so each runs for seconds. A loaded machine can still
-    # finish one before the cancel lands (409): then try again with a new batch.
+    # finish one before the cancel lands (409), or before the engine acts on it (its stream ends
+    # `done`; seen once in a CI run, 2026-12-07, not reproduced): then try again with a new batch.
     for _ in range(3):
         ids = [submit(vllm_stack, prompt=f"Hello {i}", max_new_tokens=360, ignore_eos=True) for i in range(16)]
         with vllm_stack.http.get(f"{vllm_stack.base}/v1/jobs/{ids[0]}/stream", stream=True, timeout=60) as resp:
             sse_events(resp, limit=1)  # it is running
         resp = vllm_stack.post(f"/v1/jobs/{ids[0]}/cancel")
-        if resp.status_code == 200:
+        if resp.status_code != 200:
+            assert resp.json()["error"]["code"] == "already_final"
+            continue
+        events = stream(vllm_stack, ids[0])
+        if events[-1]["event"] == "error":
             break
-        assert resp.json()["error"]["code"] == "already_final"
     assert resp.status_code == 200
-    events = stream(vllm_stack, ids[0])
     assert events[-1]["event"] == "error"
     assert json.loads(events[-1]["data"])["error"]["code"] == "cancelled"
     assert len([e for e in events if e["event"] == "token"]) < 360  # it stopped early
