@@ -75,7 +75,11 @@ class EngineSettings(_Env):
         "~/.cache/genqueue/gguf",
         description="where a GENQ_MODEL that is a .gguf file is converted to (once) and loaded from (worker/gguf.py)",
     )
-    engine: Literal["hf", "vllm", "llamacpp", "echo", "sim"] = "hf"
+    engine: Literal["hf", "vllm", "llamacpp", "embed", "echo", "sim"] = Field(
+        "hf",
+        description="hf with a sentence-transformers folder (modules.json) as GENQ_MODEL serves embeddings "
+        "(the embed engine, worker/engines/embed.py)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights' dtype; auto: bfloat16 on CPUs with native bf16, else float32"
     )
@@ -145,6 +149,12 @@ class EngineSettings(_Env):
     prefix_block_tokens: int = Field(
         16, ge=1, le=1024, description="hf engine: the prefix cache's block; prefixes are reused in whole blocks"
     )
+    embed_batch_tokens: int = Field(
+        8192,
+        ge=16,
+        description="embed engine: tokens one forward takes at most, padding counted (rows x the longest); "
+        "the inputs of every job waiting are packed into forwards of this size, shortest first",
+    )
     vllm_enforce_eager: bool = Field(True, description="no graph capture/compilation (CPU: no gain)")
     vllm_kv_cache_gib: int = Field(1, ge=1, description="vLLM's KV cache on CPU, GiB")
     vllm_gpu_memory_utilization: float = Field(
@@ -172,6 +182,9 @@ class LimitSettings(_Env):
     default_max_new_tokens: int = Field(32, ge=1)
     max_new_tokens_limit: int = Field(1024, ge=1)
     max_prompt_chars: int = Field(32_768, ge=1)
+    max_embed_inputs: int = Field(
+        2048, ge=1, le=8192, description="inputs one /v1/embeddings request (one batch line) may carry"
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024)
     job_timeout: int = Field(600, ge=1, description="seconds one job may run")
     max_attempts: int = Field(

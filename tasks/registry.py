@@ -37,6 +37,24 @@ class ChatBound(BaseModel):
     per_message: int = Field(ge=0)
 
 
+class EmbeddingInfo(BaseModel):
+    """What an embedding worker (the embed engine) serves: vectors of `dimensions`, which a
+    request may cut (`dimensions`) only where the model is a Matryoshka one: to any size up to
+    its own (`matryoshka_dimensions` None) or to one of those listed."""
+
+    dimensions: int = Field(ge=1)
+    matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
+
+    def check(self, dims: int) -> str | None:
+        """Why `dims` cannot be served (None: it can)."""
+        if not self.matryoshka:
+            return f"the model does not support cutting its vectors (not a Matryoshka model); its vectors have {self.dimensions}"
+        if dims > self.dimensions or (self.matryoshka_dimensions and dims not in self.matryoshka_dimensions):
+            return f"{dims}; the model takes {self.matryoshka_dimensions or f'1 to {self.dimensions}'}"
+        return None
+
+
 class WorkerInfo(BaseModel):
     name: str
     model: str
@@ -75,6 +93,9 @@ class WorkerInfo(BaseModel):
         "prefix it holds there (tasks/placement.py)",
     )
     draining: bool = Field(False, description="shutting down: finishes its jobs, takes no new calls")
+    embedding: EmbeddingInfo | None = Field(
+        None, description="it serves embeddings (/v1/embeddings), not completions; None: it generates text"
+    )
 
 
 # KEYS: seen zset, info hash. ARGV: name, info JSON.

@@ -297,6 +297,23 @@ class ChatOptions(BaseModel):
 NO_CHAT_TEMPLATE = "this model has no chat template; start its worker with GENQ_CHAT_TEMPLATE=<file>"
 
 
+# The most inputs one embedding job may carry (GENQ_MAX_EMBED_INPUTS is at most this).
+EMBED_INPUTS_MAX = 8192
+
+
+class EmbedOptions(BaseModel):
+    """An embedding job (POST /v1/embeddings): its inputs, each a text or token ids, embedded
+    by a worker whose model is a sentence-embedding one (worker/engines/embed.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[str | list[int]] = Field(min_length=1, max_length=EMBED_INPUTS_MAX)
+    dimensions: int | None = Field(None, ge=1, description="keep the first n dimensions, renormalized (Matryoshka)")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=TOKEN_ID_MAX, description="cut each input to k tokens (-1: the model's limit)"
+    )
+
+
 class JobSpec(BaseModel):
     """What a worker receives: one prompt, resolved model name, complete parameters."""
 
@@ -305,6 +322,7 @@ class JobSpec(BaseModel):
     prompt: str
     prompt_token_ids: list[int] | None = Field(None, description="the prompt as token ids (then `prompt` is empty)")
     chat: ChatOptions | None = Field(None, description="a chat job: the worker renders its prompt from these")
+    embed: EmbedOptions | None = Field(None, description="an embedding job: its inputs (`prompt` is empty)")
     params: SamplingParams
     stream: bool = Field(True, description="publish token events (False: nobody can follow them)")
     priority: int = 0
@@ -359,3 +377,6 @@ class GenerationResult(BaseModel):
     )
     prompt_token_ids: list[int] | None = Field(None, description="with `return_token_ids`")
     token_ids: list[int] | None = Field(None, description="with `return_token_ids`: the completion's")
+    embeddings: list[str] | None = Field(
+        None, description="an embedding job's vectors, one per input in order: little-endian float32, base64"
+    )

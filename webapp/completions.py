@@ -132,6 +132,7 @@ class CompletionService:
             return Submitted(req, [], model, created)
         if wait:
             s.require_worker(model)
+        s.require_task(model, embed=False)
         if req.chat is not None:
             self.require_chat_template(model)
         params = limits.for_key(req, every, owner, s.settings)

@@ -30,7 +30,7 @@ from tasks.kombu_compat import send_sent_events
 from tasks.placement import Placement
 from tasks.records import decode_record, record_error
 from tasks.registry import Registry, WorkerInfo
-from tasks.schemas import ChatOptions, JobSpec, JobStatus, SamplingParams
+from tasks.schemas import ChatOptions, EmbedOptions, JobSpec, JobStatus, SamplingParams
 from tasks.streams import StreamEnd, TokenEvent, follow
 from webapp.auth import ApiKey
 from webapp.errors import BROKER_ERRORS, BROKER_UNAVAILABLE, APIError, job_error_status, owned
@@ -171,6 +171,18 @@ class JobService:
                 {"Retry-After": "5"},
             )
 
+    def require_task(self, model: str, embed: bool) -> None:
+        """400 at once when the model's live workers serve embeddings and the request asks for
+        text (`embed` False), or the other way round (with no live worker: nothing to check)."""
+        workers = self.workers_for(model)
+        if not workers or any((w.embedding is not None) == embed for w in workers):
+            return
+        if embed:
+            message = f"model {model!r} generates text, it serves no embeddings; use POST /v1/completions or /v1/chat/completions"
+        else:
+            message = f"model {model!r} serves embeddings (POST /v1/embeddings), not completions"
+        raise APIError(400, "invalid_request", message, param="model")
+
     # -- submission ------------------------------------------------------------------------
 
     def enqueue(
@@ -184,6 +196,7 @@ class JobService:
         n: int = 1,
         chat: ChatOptions | None = None,
         callback_url: str | None = None,
+        embed: EmbedOptions | None = None,
     ) -> list[str]:
         """Record and enqueue one job per prompt, for a request that has been checked against
         the limits and whose model is resolved (webapp.completions.CompletionService.submit
@@ -193,7 +206,8 @@ class JobService:
         is open); the jobs carry its name and count against its quota. `n`: jobs per prompt
         (OpenAI's `n`), in a row, the j-th with `params.for_choice(j)` (its own seed). `chat`: the
         conversation of chat jobs, which their worker renders into their prompts.
-        `callback_url`: where each job's record is POSTed once it ends (webapp/callbacks.py)."""
+        `callback_url`: where each job's record is POSTed once it ends (webapp/callbacks.py).
+        `embed`: an embedding job's inputs (its one prompt is empty: webapp/embeddings.py)."""
         prompts = [p for p in prompts for _ in range(n)]
         queue = queue_for(model)
         sched = sched or Scheduling()
@@ -205,6 +219,7 @@ class JobService:
                 prompt=p if isinstance(p, str) else "",
                 prompt_token_ids=None if isinstance(p, str) else p,
                 chat=chat,
+                embed=embed,
                 params=params.for_choice(k % n),
                 stream=stream,
                 priority=sched.priority,

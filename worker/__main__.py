@@ -28,7 +28,7 @@ from tasks.fair import FairLines
 from tasks.jobs import JobStore
 from tasks.kombu_compat import guard_restores
 from tasks.placement import Placement
-from tasks.registry import Registry, WorkerInfo
+from tasks.registry import EmbeddingInfo, Registry, WorkerInfo
 from worker import chatbound, gguf, metrics, tasks, tokenbound
 from worker.asks import Answerers
 from worker.chat import Chat
@@ -123,6 +123,14 @@ class Heartbeat(threading.Thread):
             pass
 
 
+def _embedding_info(engine) -> EmbeddingInfo | None:
+    """What an embedding worker announces of its vectors (None: a worker that generates text)."""
+    if engine.task != "embed":
+        return None
+    dims = engine.matryoshka
+    return EmbeddingInfo(dimensions=engine.dimension, matryoshka=dims is not None, matryoshka_dimensions=dims or None)
+
+
 def main() -> None:
     settings = get_settings()
     logs.configure(settings.log_format, os.environ.get("GENQ_LOG_LEVEL", "INFO"))
@@ -201,6 +209,7 @@ def main() -> None:
         device=engine.device,
         metrics_port=metrics_port,
         lane=lane,
+        embedding=_embedding_info(engine),
     )
     registry = Registry(client, settings.heartbeat_ttl)
     running = WorkerTask.running

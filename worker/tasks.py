@@ -103,7 +103,11 @@ class WorkerTask(Task):
         engine drop it if it is cancelled or superseded meanwhile. A job the engine (or the
         chat template) cannot serve raises JobFailed, or JobRefused for its bad input."""
         try:
-            if self.chat is not None:
+            if spec.embed is not None and self.engine.task != "embed":
+                raise GenerationError(
+                    "invalid_request", f"model {spec.model!r} generates text, it serves no embeddings", param="model"
+                )
+            if self.chat is not None and spec.embed is None:
                 spec = self.chat.prompt_of(spec)  # a chat job's prompt: its messages rendered
             future = self.engine.submit(spec)
             self.watch.watch(spec.id, attempt.number)

@@ -1,16 +1,18 @@
 """OpenAI-compatible endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (plain
-and streamed), `GET /v1/models` and `GET /v1/models/<id>`. Every prompt of a request is its own job, like everywhere else."""
+and streamed), `POST /v1/embeddings`, `GET /v1/models` and `GET /v1/models/<id>`. Every prompt
+of a request is its own job, like everywhere else; an embeddings request is one job."""
 
 from __future__ import annotations
 
 from flask import Blueprint
 
-from webapp import auth
+from webapp import auth, embeddings
 from webapp.completions import current_completions
 from webapp.errors import error_response
 from webapp.openapi import BLOCKING_ERRORS, IDEMPOTENCY, SSE, doc
 from webapp.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from webapp.protocol.completions import CompletionRequest, CompletionResponse
+from webapp.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from webapp.protocol.models import ModelCard, ModelList
 from webapp.routes._body import parse
 from webapp.service import current_service
@@ -71,3 +73,12 @@ def chat_completions():
     """OpenAI's chat completions: the model's chat template over the messages, every choice its own job."""
     req = parse(ChatCompletionRequest)
     return current_completions().answer(req.to_jobs(), auth.current_owner())
+
+
+@bp.post("/embeddings")
+@doc(params=(IDEMPOTENCY,), body=EmbeddingRequest, response=EmbeddingResponse, errors=BLOCKING_ERRORS)
+def create_embeddings():
+    """OpenAI's embeddings: one job carries every input, to a worker whose model is a
+    sentence-embedding one."""
+    req = parse(EmbeddingRequest)
+    return embeddings.answer(req, auth.current_owner())

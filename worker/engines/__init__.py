@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from tasks.config import Settings
 from worker.engines.base import Engine, GenerationError, Sink
 
@@ -16,6 +18,10 @@ def create_engine(settings: Settings, sink: Sink | None = None) -> Engine:
         from worker.engines.sim import SimEngine
 
         return SimEngine(settings, sink)
+    if settings.engine == "embed" or (settings.engine == "hf" and is_embedding_model(settings.model)):
+        from worker.engines.embed import EmbedEngine
+
+        return EmbedEngine(settings)
     if settings.engine == "hf":
         from worker.engines.hf import HFEngine
 
@@ -29,6 +35,12 @@ def create_engine(settings: Settings, sink: Sink | None = None) -> Engine:
 
         return VLLMEngine(settings, sink)
     raise ValueError(f"unknown engine {settings.engine!r}")
+
+
+def is_embedding_model(model: str) -> bool:
+    """Whether `model` is a sentence-transformers folder (its modules.json lists the modules,
+    pooling and normalization included, that make a text's embedding)."""
+    return os.path.isfile(os.path.join(model, "modules.json"))
 
 
 __all__ = ["Engine", "GenerationError", "Sink", "create_engine"]

