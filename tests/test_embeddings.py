@@ -101,7 +101,11 @@ def embed_stacks(redis_url, stack_logs, models):
         for name, path in models.items():
             stacks = Stacks(redis_url, path, stack_logs)
             made.append(stacks)
-            s = stacks(GENQ_MAX_EMBED_INPUTS=str(MAX_INPUTS), GENQ_EMBED_BATCH_TOKENS="2048")
+            s = stacks(
+                GENQ_MAX_EMBED_INPUTS=str(MAX_INPUTS),
+                GENQ_EMBED_BATCH_TOKENS="2048",
+                GENQ_METRICS_PORT=str(stackmod.free_port()),
+            )
             if name == "minilm":  # minilm's API asks for a key
                 s.env["GENQ_API_KEYS"] = KEY
                 s.http.headers["Authorization"] = f"Bearer {KEY}"
@@ -271,6 +275,30 @@ def test_keys_and_usage(embed_stacks, references):
     assert after["completion_tokens"] == before["completion_tokens"]
 
 
+def test_the_worker_counts_inputs_and_tokens(embed_stacks):
+    """genq:embedding_inputs_total and genq:prompt_tokens_total on the worker's exporter."""
+    import re
+
+    import requests
+
+    s = embed_stacks["mpnet"]
+    (port,) = [w["metrics_port"] for w in s.get("/readyz").json()["workers"]]
+
+    def counts() -> tuple[float, float]:
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        found = [
+            sum(float(v) for v in re.findall(rf'^{name}{{[^}}]*model_name="{s.name}"[^}}]*}} (\S+)$', text, re.M))
+            for name in ("genq:embedding_inputs_total", "genq:prompt_tokens_total")
+        ]
+        return found[0], found[1]
+
+    inputs, tokens = counts()
+    resp = embed(s, input=TEXTS[:5])
+    assert resp.status_code == 200
+    stackmod.wait_until(lambda: counts()[0] == inputs + 5, 10, "the counter", s.procs)
+    assert counts()[1] == tokens + resp.json()["usage"]["prompt_tokens"]
+
+
 def test_a_worker_killed_mid_batch_leaves_its_jobs_to_another(redis_url, stack_logs, models, references):
     """Two minilm workers; 8 clients send 32 inputs each in small forwards (a job spans many).
     Once a worker runs jobs it is SIGKILLed: every request still answers 200 with the right
@@ -323,3 +351,49 @@ def test_a_worker_killed_mid_batch_leaves_its_jobs_to_another(redis_url, stack_l
     finally:
         r.close()
         stacks.stop()
+
+
+def test_matryoshka_dimensions_cut_and_renormalize(models, tmp_path):
+    """A checkpoint whose config.json says it is a Matryoshka model (minilm's files, its config
+    marked so) takes `dimensions`: the first n of its vector, renormalized; others are refused.
+    The engine alone, in this process (the API checks the same by what workers announce)."""
+    import torch
+
+    from tasks.config import Settings
+    from tasks.schemas import EmbedOptions, JobSpec, SamplingParams
+    from worker.engines.base import GenerationError
+    from worker.engines.embed import EmbedEngine
+
+    src = models["minilm"]
+    for f in src.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "config.json").unlink()
+    config = json.loads((src / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [64, 128, 384]}))
+    engine = EmbedEngine(Settings(model=str(tmp_path), dtype="float32", torch_threads=1))
+    try:
+        assert engine.matryoshka == [64, 128, 384]
+
+        def run(dims):
+            spec = JobSpec(
+                id=f"m-{dims}",
+                model="m",
+                prompt="",
+                params=SamplingParams(),
+                embed=EmbedOptions(inputs=TEXTS[:3], dimensions=dims),
+            )
+            res = engine.submit(spec).result(timeout=60)
+            return torch.tensor(
+                [struct.unpack(f"<{len(base64.b64decode(b)) // 4}f", base64.b64decode(b)) for b in res.embeddings]
+            )
+
+        full, cut = run(None), run(128)
+        assert cut.shape == (3, 128)
+        want = torch.nn.functional.normalize(full[:, :128], dim=1)
+        assert torch.allclose(cut, want, atol=1e-5)
+        for bad in (100, 512):
+            with pytest.raises(GenerationError) as err:
+                run(bad)
+            assert err.value.param == "dimensions"
+    finally:
+        engine.close()

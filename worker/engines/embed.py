@@ -77,6 +77,8 @@ class EmbedEngine(Engine):
             self.st.to(dtype)
         self.st.eval()
         self.tok = self.st.tokenizer
+        if self.tok.pad_token is None:  # a decoder's tokenizer: pad with EOS (masked out)
+            self.tok.pad_token = self.tok.eos_token
         self.max_model_len = int(self.st.max_seq_length)
         self.dimension = int(self.st.get_embedding_dimension())
         self.matryoshka = matryoshka_dims(settings.model)
