@@ -23,6 +23,7 @@ from genqueue.commands import (
     cmd_batch,
     cmd_cancel,
     cmd_chat,
+    cmd_embed,
     cmd_get,
     cmd_stream,
     cmd_submit,
@@ -258,6 +259,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-wait", type=float, metavar="S", help="give up after S seconds (exit 3; the batch goes on)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_batch)
+
+    p = sub.add_parser(
+        "embed",
+        parents=[common],
+        epilog=EPILOG,
+        formatter_class=fmt,
+        help="embed each line of a text file (POST /v1/embeddings)",
+        description=_wrap(
+            "Embed each non-empty line of IN ('-': stdin) with an embedding model's workers (POST "
+            "/v1/embeddings, --batch-size lines per request, --concurrency requests at once) and write one "
+            'JSON line per text, in order: {"line": N, "embedding": [...]}. Exit 2 if the server refuses '
+            "a request (an empty or too long line: see truncate)."
+        ),
+    )
+    p.add_argument("input", metavar="IN", help="the text file, one text per line ('-': stdin)")
+    p.add_argument("-o", "--output", default="-", metavar="OUT", help="where to write the vectors (default: stdout)")
+    p.add_argument("--model", help="the embedding model (default: the API's default model)")
+    p.add_argument("--batch-size", type=int, default=64, metavar="N", help="lines per request (default 64)")
+    p.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests at once (default 4)")
+    p.add_argument("--dimensions", type=int, metavar="D", help="cut each vector to D dimensions (Matryoshka models)")
+    p.add_argument(
+        "--truncate", type=int, metavar="K", help="cut each line to K tokens (-1: the model's limit) instead of a 400"
+    )
+    p.set_defaults(run=cmd_embed)
 
     p = sub.add_parser(
         "workers",

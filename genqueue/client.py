@@ -7,15 +7,18 @@
     for token in c.stream(c.submit("Once upon a time", max_new_tokens=64)):
         print(token, end="", flush=True)
 
-Errors are exceptions of genqueue.errors (all `GenqError`); see there. Here: jobs, chat and
-health; the files and batches methods in genqueue/batches.py (`BatchAPI`), token streams in
+Errors are exceptions of genqueue.errors (all `GenqError`); see there. Here: jobs, chat,
+embeddings and health; the files and batches methods in genqueue/batches.py (`BatchAPI`), token streams in
 genqueue/streams.py (`TokenStream`, `Restart`).
 """
 
 from __future__ import annotations
 
+import array
+import base64
 import os
 import re
+import sys
 import time
 from typing import Any
 
@@ -165,6 +168,23 @@ class Client(BatchAPI):
         limit = httpx.Timeout(self.timeout, read=timeout)
         return self._json("POST", "/v1/chat/completions", json=body, timeout=limit)
 
+    def embed(self, inputs: str | list[str] | list[list[int]], timeout: float | None = None, **params: Any) -> list:
+        """The embedding vectors of `inputs` (POST /v1/embeddings, blocking): for a str, its
+        vector (a list of floats); for a list of texts (or of token-id lists), one vector each,
+        in order. `params`: the request's other fields (`model`, `dimensions`,
+        `truncate_prompt_tokens`, `priority`, ...); None values are left out. The vectors
+        travel as base64 float32 (a quarter of the bytes of JSON floats). `timeout`: seconds
+        for the answer (default: no limit)."""
+        body = self.embeddings(inputs, timeout, encoding_format="base64", **params)
+        vectors = [_floats(d["embedding"]) for d in sorted(body["data"], key=lambda d: d["index"])]
+        return vectors[0] if isinstance(inputs, str) else vectors
+
+    def embeddings(self, inputs: str | list, timeout: float | None = None, **params: Any) -> dict:
+        """The whole answer of POST /v1/embeddings (`data`, `usage`, ...; see `embed`)."""
+        body = {"input": inputs, **{k: v for k, v in params.items() if v is not None}}
+        limit = httpx.Timeout(self.timeout, read=timeout)
+        return self._json("POST", "/v1/embeddings", json=body, timeout=limit)
+
     def stream(self, job_id: str, last_event_id: str | int | None = None) -> TokenStream:
         """The job's tokens as they are generated (GET /v1/jobs/{id}/stream, SSE): an iterator
         of `str`, which reconnects by itself with `Last-Event-ID` after a dropped connection
@@ -217,6 +237,14 @@ def result_text(job: dict) -> str:
     if job.get("status") != "succeeded":
         raise errors.job_error(job.get("id", "?"), job.get("error"), job, job.get("status"))
     return job["result"]["text"]
+
+
+def _floats(b64: str) -> list[float]:
+    """A vector from base64 little-endian float32 (OpenAI's `encoding_format: base64`)."""
+    values = array.array("f", base64.b64decode(b64))
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
 
 
 def _wait_limit(exc: BadRequest) -> float | None:

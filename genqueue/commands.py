@@ -184,6 +184,37 @@ def cmd_batch(client: Client, args: argparse.Namespace) -> int:
     return code if code != OK else (JOB_FAILED if failed else OK)
 
 
+def cmd_embed(client: Client, args: argparse.Namespace) -> int:
+    """Each non-empty line of the input one text; one JSON line out per text, in order:
+    {"line": its line number, "embedding": [...]}. Requests of --batch-size texts, several at
+    once (--concurrency): the workers pack their inputs into shared forwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if args.batch_size < 1 or args.concurrency < 1:
+        print("genq: --batch-size and --concurrency are at least 1", file=sys.stderr)
+        return USAGE
+    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")  # noqa: SIM115
+    with source:
+        lines = [(n, text) for n, text in enumerate(source.read().splitlines(), 1) if text.strip()]
+    chunks = [lines[i : i + args.batch_size] for i in range(0, len(lines), args.batch_size)]
+    params = {"model": args.model, "dimensions": args.dimensions, "truncate_prompt_tokens": args.truncate}
+
+    def one(chunk: list[tuple[int, str]]) -> list:
+        return client.embed([text for _, text in chunk], **params)
+
+    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    try:
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            for chunk, vectors in zip(chunks, pool.map(one, chunks), strict=True):
+                for (n, _), vector in zip(chunk, vectors, strict=True):
+                    out.write(json.dumps({"line": n, "embedding": vector}) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    print(f"genq: {len(lines)} texts embedded", file=sys.stderr)
+    return OK
+
+
 def _line_ok(line: dict) -> bool:
     response = line.get("response") or {}
     return line.get("error") is None and response.get("status_code") == 200

@@ -397,3 +397,41 @@ def test_matryoshka_dimensions_cut_and_renormalize(models, tmp_path):
             assert err.value.param == "dimensions"
     finally:
         engine.close()
+
+
+def test_the_client_and_genq_embed(embed_stacks, references, tmp_path):
+    """Client.embed (base64 on the wire, floats back) and `genq embed FILE` (one JSON line per
+    non-empty line, in order, over several concurrent requests) give the reference's vectors."""
+    import os
+    import subprocess
+    import sys
+
+    from genqueue import Client
+    from genqueue.errors import BadRequest
+
+    s, ref = embed_stacks["minilm"], references["minilm"]
+    want = [ref.embed(ref.ids(t)) for t in TEXTS]
+    with Client(s.base, api_key=KEY) as c:
+        one = c.embed(TEXTS[0], model=s.name)
+        assert len(one) == 384 and cosine(one, want[0]) >= 0.999
+        many = c.embed(TEXTS, model=s.name)
+        assert all(cosine(g, w) >= 0.999 for g, w in zip(many, want, strict=True))
+        with pytest.raises(BadRequest) as err:
+            c.embed(["fine", ""], model=s.name)
+        assert err.value.status == 400
+
+    src = tmp_path / "texts.txt"
+    src.write_text("\n".join(TEXTS[:4] + [""] + TEXTS[4:]) + "\n")  # an empty line is skipped
+    env = {**os.environ, "GENQ_URL": s.base, "GENQ_API_KEY": KEY}
+    out = subprocess.run(
+        [sys.executable, "-m", "genqueue", "embed", str(src), "--model", s.name, "--batch-size", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [d["line"] for d in lines] == [1, 2, 3, 4, 6, 7, 8, 9]
+    assert all(cosine(d["embedding"], w) >= 0.999 for d, w in zip(lines, want, strict=True))
