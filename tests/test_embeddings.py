@@ -435,3 +435,59 @@ def test_the_client_and_genq_embed(embed_stacks, references, tmp_path):
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert [d["line"] for d in lines] == [1, 2, 3, 4, 6, 7, 8, 9]
     assert all(cosine(d["embedding"], w) >= 0.999 for d, w in zip(lines, want, strict=True))
+
+
+def test_the_openai_sdk_and_a_batch_of_embeddings_lines(embed_stacks, references):
+    """OpenAI's own client: embeddings.create (it asks for base64 and decodes it), and a Batch
+    API run on /v1/embeddings whose output lines are OpenAI's ({id, custom_id, response
+    {status_code, request_id, body}, error}, the body as the route answers), a refused line
+    (empty input, another url) an error line, and the batch's usage its input tokens."""
+    import time
+
+    import openai
+
+    s, ref = embed_stacks["minilm"], references["minilm"]
+    client = openai.OpenAI(base_url=s.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    got = client.embeddings.create(model=s.name, input=TEXTS[:2])
+    assert [len(d.embedding) for d in got.data] == [384, 384] and got.usage.prompt_tokens > 0
+    assert cosine(got.data[1].embedding, ref.embed(ref.ids(TEXTS[1]))) >= 0.999
+
+    n = 40
+    lines = [
+        {
+            "custom_id": f"e-{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": s.name, "input": [TEXTS[i % len(TEXTS)], f"line {i}"]},
+        }
+        for i in range(n)
+    ]
+    lines.append({"custom_id": "empty", "method": "POST", "url": "/v1/embeddings", "body": {"input": ""}})
+    lines.append({"custom_id": "other", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a"}})
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    f = client.files.create(file=("in.jsonl", data), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.monotonic() + 180
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.3)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (n + 2, n, 2)
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    err = {e["custom_id"]: e for e in map(json.loads, client.files.content(batch.error_file_id).text.splitlines())}
+    assert sorted(o["custom_id"] for o in out) == sorted(f"e-{i}" for i in range(n))
+    tokens = 0
+    for o in out:
+        i = int(o["custom_id"].removeprefix("e-"))
+        assert set(o) == {"id", "custom_id", "response", "error"} and o["error"] is None
+        body = o["response"]["body"]
+        assert o["response"]["status_code"] == 200 and body["object"] == "list" and body["model"] == s.name
+        assert cosine(body["data"][0]["embedding"], ref.embed(ref.ids(TEXTS[i % len(TEXTS)]))) >= 0.999
+        assert cosine(body["data"][1]["embedding"], ref.embed(ref.ids(f"line {i}"))) >= 0.999
+        tokens += body["usage"]["prompt_tokens"]
+    assert batch.usage.input_tokens == tokens and batch.usage.output_tokens == 0
+    assert err["empty"]["response"]["status_code"] == 400
+    assert err["empty"]["response"]["body"]["error"]["param"] == "input"
+    assert err["other"]["response"]["body"]["error"]["code"] == "invalid_url"

@@ -16,7 +16,7 @@ from flask import request
 from tasks.schemas import EmbedOptions, SamplingParams
 from webapp import idempotency, limits
 from webapp.auth import ApiKey
-from webapp.completions import current_completions
+from webapp.completions import CompletionService, current_completions
 from webapp.errors import APIError
 from webapp.protocol import embeddings
 from webapp.protocol.embeddings import EmbeddingRequest
@@ -60,38 +60,55 @@ def check_model(req: EmbeddingRequest, s: JobService, model: str) -> None:
             return
 
 
-def answer(req: EmbeddingRequest, owner: ApiKey | None) -> dict[str, Any]:
-    """Queue the request's job and answer with its vectors once it has ended."""
-    completions = current_completions()
+def submit(
+    req: EmbeddingRequest,
+    owner: ApiKey | None,
+    completions: CompletionService,
+    wait: bool = True,
+    priority: int | None = None,
+) -> dict[str, Any]:
+    """Check the request and queue its one job through `completions`' job service (its rate
+    limiter too); returns what its answer needs (`body`), as JSON: a batch line keeps it as its
+    pending entry. `wait`: the caller blocks for the answer, so it fails at once with 503 when
+    no live worker serves the model. `priority`: the job's, in place of the request's (a batch
+    line's)."""
     s = completions.jobs
-    keep = idempotency.header_key() is not None
     check(req, s)
     model = s.resolve_model(req.model)
-    s.require_worker(model)
+    if wait:
+        s.require_worker(model)
     check_model(req, s, model)
     embed = EmbedOptions(inputs=req.input, dimensions=req.dimensions, truncate_prompt_tokens=req.truncate_prompt_tokens)
+    sched = Scheduling(priority=req.priority if priority is None else priority)
     created = int(time.time())
 
     def create() -> dict[str, Any]:
         limits.admit(completions.rates, owner)  # last: a request refused for its input is not counted
-        ids = s.enqueue(
-            [""],
-            SamplingParams(),
-            model,
-            stream=False,
-            sched=Scheduling(priority=req.priority),
-            owner=owner,
-            embed=embed,
-        )
+        ids = s.enqueue([""], SamplingParams(), model, stream=False, sched=sched, owner=owner, embed=embed)
         return {"ids": ids, "model": model, "created": created}
 
     made, _ = idempotency.once(owner.name if owner else "", create)
-    (result,) = s.collect(made["ids"], request.environ, abandon=not keep)
+    return {**made, "api": "embeddings", "encoding_format": req.encoding_format}
+
+
+def body(entry: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """The answer of a request (`entry`: what `submit` returned) from its job's result."""
     return embeddings.body(
-        f"embd-{made['ids'][0]}",
-        int(made["created"]),
-        made["model"],
+        f"embd-{entry['ids'][0]}",
+        int(entry["created"]),
+        entry["model"],
         result["embeddings"],
-        req.encoding_format,
+        entry.get("encoding_format", "float"),
         result["prompt_tokens"],
     )
+
+
+def answer(req: EmbeddingRequest, owner: ApiKey | None) -> dict[str, Any]:
+    """Queue the request's job and answer with its vectors once it has ended. A client that
+    goes away meanwhile has its job cancelled, unless it sent an Idempotency-Key (a retry
+    takes the job up)."""
+    keep = idempotency.header_key() is not None
+    completions = current_completions()
+    entry = submit(req, owner, completions)
+    (result,) = completions.jobs.collect(entry["ids"], request.environ, abandon=not keep)
+    return body(entry, result)

@@ -1,9 +1,9 @@
 """The batch driver: a thread (a greenlet under gunicorn's gevent workers) in every API process
 that each tick takes, per active batch, an expiring Redis lock and moves the batch on: validates
 its input, collects the lines whose jobs ended into output or error lines, feeds the next lines
-as ordinary jobs through the completions service (webapp/completions.py) at the least urgent
-priority, within a window and the fleet's room, and ends it (completed, cancelled, expired,
-failed). Nothing lives in the process: another one takes the lock and goes on (docs/design.md,
+as ordinary jobs through the completions service (webapp/completions.py; embeddings lines:
+webapp/embeddings.py) at the least urgent priority, within a window and the fleet's room, and
+ends it (completed, cancelled, expired, failed). Nothing lives in the process: another one takes the lock and goes on (docs/design.md,
 "Batches")."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from pydantic import ValidationError
 
 from tasks.schemas import PRIORITY_MAX, JobStatus
+from webapp import embeddings
 from webapp.auth import ApiKey
 from webapp.batches.files import chunk_lines, now
 from webapp.batches.output import expired_line, response_line
@@ -25,6 +26,7 @@ from webapp.completions import CompletionService, Submitted
 from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status
 from webapp.protocol.chat import ChatCompletionRequest
 from webapp.protocol.completions import CompletionRequest
+from webapp.protocol.embeddings import EmbeddingRequest
 from webapp.protocol.jobs import Scheduling
 
 log = logging.getLogger(__name__)
@@ -212,6 +214,10 @@ class BatchDriver:
             status = job_error_status(error["code"])
             body = error_body(status, error["code"], error["message"])
             return "err", response_line(entry["custom_id"], status, entry["ids"][0], body), (0, 0, 0)
+        if entry.get("api") == "embeddings":
+            body = embeddings.body(entry, results[0])
+            tokens = (body["usage"]["prompt_tokens"], 0, 0)
+            return "out", response_line(entry["custom_id"], 200, entry["ids"][0], body), tokens
         body = self.completions.body(Submitted.from_entry(entry), results)
         usage = body["usage"]
         tokens = (usage["prompt_tokens"], usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
@@ -295,6 +301,10 @@ class BatchDriver:
             )
             return "error", response_line(custom_id, 400, None, body), []
         try:
+            if rec["endpoint"] == "/v1/embeddings":
+                req = EmbeddingRequest.model_validate(line.get("body"))
+                entry = {"custom_id": custom_id, **embeddings.submit(req, key, self.completions, False, BATCH_PRIORITY)}
+                return "pending", json.dumps(entry), entry["ids"]
             chat = rec["endpoint"] == "/v1/chat/completions"
             model = ChatCompletionRequest if chat else CompletionRequest
             jobs = model.model_validate(line.get("body")).to_jobs()

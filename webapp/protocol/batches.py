@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
+Endpoint = Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]
 TIMESTAMPS = (
     "created_at",
     "in_progress_at",

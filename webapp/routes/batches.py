@@ -2,8 +2,8 @@
 
 - `POST /v1/files` (multipart: `purpose=batch`, `file`), `GET /v1/files/{id}`,
   `GET /v1/files/{id}/content` (streamed), `DELETE /v1/files/{id}`;
-- `POST /v1/batches` (`input_file_id`, `endpoint` `/v1/completions` or `/v1/chat/completions`,
-  `completion_window` `24h`, `metadata`), `GET /v1/batches/{id}`, `GET /v1/batches` (`after`, `limit`),
+- `POST /v1/batches` (`input_file_id`, `endpoint` `/v1/completions`, `/v1/chat/completions` or
+  `/v1/embeddings`, `completion_window` `24h`, `metadata`), `GET /v1/batches/{id}`, `GET /v1/batches` (`after`, `limit`),
   `POST /v1/batches/{id}/cancel`.
 
 With API keys, files and batches belong to the key that made them: to any other, a 404.
