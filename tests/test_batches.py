@@ -230,7 +230,7 @@ def test_malformed_files_fail_or_error_per_line(bstack):
     # Requests that are wrong as a whole are 4xx with a JSON error.
     for bad, status in [
         ({"input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "24h"}, 404),
-        ({"input_file_id": "x", "endpoint": "/v1/embeddings", "completion_window": "24h"}, 400),
+        ({"input_file_id": "x", "endpoint": "/v1/responses", "completion_window": "24h"}, 400),
         ({"input_file_id": "x", "endpoint": "/v1/completions", "completion_window": "1h"}, 400),
     ]:
         resp = requests.post(bstack.base + "/v1/batches", json=bad, headers=auth(), timeout=30)
