@@ -17,7 +17,7 @@ from pathlib import Path
 
 import requests
 
-from bench.common import machine_facts
+from bench.common import machine_facts, stop_on_signals
 from scripts import embedmodels
 from scripts import stack as stackmod
 
@@ -54,15 +54,18 @@ def in_process(model_dir: Path, texts: list[str], batch: int, rounds: int, threa
     return rates
 
 
-def through_api(base: str, model: str, texts: list[str], clients: int, per_request: int) -> float:
-    """sentences/s of `clients` threads sending `texts` in requests of `per_request` inputs."""
+def through_api(base: str, model: str, texts: list[str], clients: int, per_request: int, fmt: str) -> float:
+    """sentences/s of `clients` threads sending `texts` in requests of `per_request` inputs,
+    the vectors asked for as `fmt` (base64: what OpenAI's Python client asks for)."""
     chunks = [texts[i : i + per_request] for i in range(0, len(texts), per_request)]
     lock, errors = threading.Lock(), []
 
     def client(k: int) -> None:
         with requests.Session() as http:
             for chunk in chunks[k::clients]:
-                resp = http.post(f"{base}/v1/embeddings", json={"model": model, "input": chunk}, timeout=600)
+                resp = http.post(
+                    f"{base}/v1/embeddings", json={"model": model, "input": chunk, "encoding_format": fmt}, timeout=600
+                )
                 if resp.status_code != 200:
                     with lock:
                         errors.append(resp.text[:300])
@@ -86,12 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inputs", type=int, default=32, help="inputs per request")
     ap.add_argument("--requests", type=int, default=8, help="requests per client and round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--encoding-format", default="base64", choices=["base64", "float"])
     ap.add_argument("--batch", type=int, default=64, help="encode's batch size")
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads of encode and of the worker alike (0: torch's default)"
     )
     ap.add_argument("--worker-env", action="append", default=[], metavar="K=V", help="an extra worker setting")
     args = ap.parse_args(argv)
+    stop_on_signals()  # SIGTERM stops the stack below, as Ctrl-C does
     model_dir = embedmodels.ensure(args.model)
     texts = sentences(args.clients * args.inputs * args.requests)
 
@@ -121,10 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             lambda: requests.get(f"{base}/readyz", timeout=5).status_code == 200, 300, "a ready worker", procs
         )
         time.sleep(2)  # every API process's list of live workers (cached for a second) has it
-        through_api(base, name, texts[: args.clients * args.inputs], args.clients, args.inputs)  # warm up
+        through_api(
+            base, name, texts[: args.clients * args.inputs], args.clients, args.inputs, args.encoding_format
+        )  # warm up
         api_rates = []
         for _ in range(args.rounds):
-            api_rates.append(through_api(base, name, texts, args.clients, args.inputs))
+            api_rates.append(through_api(base, name, texts, args.clients, args.inputs, args.encoding_format))
             print(f"API: {round(api_rates[-1], 1)} sentences/s", flush=True)
     finally:
         for proc in reversed(procs):
@@ -137,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "clients": args.clients,
         "inputs_per_request": args.inputs,
         "encode_batch": args.batch,
+        "encoding_format": args.encoding_format,
         "encode_sentences_per_s": st_rates,
         "api_sentences_per_s": api_rates,
         "ratio": statistics.median(api_rates) / statistics.median(st_rates),
@@ -146,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     (logs / "embed.json").write_text(json.dumps(res, indent=2))
     print(
-        f"\n| model | through the API, {args.clients} clients x {args.inputs} inputs | encode, batch {args.batch} | ratio |"
+        f"\n| model | through the API, {args.clients} clients x {args.inputs} inputs ({args.encoding_format}) "
+        f"| encode, batch {args.batch} | ratio |"
     )
     print("|---|---|---|---|")
     print(

@@ -150,7 +150,7 @@ class EngineSettings(_Env):
         16, ge=1, le=1024, description="hf engine: the prefix cache's block; prefixes are reused in whole blocks"
     )
     embed_batch_tokens: int = Field(
-        8192,
+        4096,
         ge=16,
         description="embed engine: tokens one forward takes at most, padding counted (rows x the longest); "
         "the inputs of every job waiting are packed into forwards of this size, shortest first",
