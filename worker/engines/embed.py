@@ -4,10 +4,11 @@ pooling its config names: mean, CLS, last token; Normalize) make each input's ve
 
 Each job (one /v1/embeddings request, or batch line) carries many inputs. The Celery task
 threads tokenize their job's inputs and check them (length, token ids, `dimensions`), then
-hand them to one scheduler thread. That thread takes every input waiting, of every job, sorts
-them by length and runs them in forwards of at most GENQ_EMBED_BATCH_TOKENS padded tokens
-(rows x the longest), so that many small requests share forwards as one big batch would. A
-job's result, its vectors as base64 float32, is set once its last input is done.
+hand them to one scheduler thread. That thread takes the inputs of the oldest jobs waiting
+(about two forwards' worth), sorts them by length and runs them in forwards of at most
+GENQ_EMBED_BATCH_TOKENS padded tokens (rows x the longest), so that many small requests
+share forwards as one big batch would. A job's result, its vectors as base64 float32, is set
+once its last input is done.
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ class EmbedEngine(Engine):
                     self._cond.wait()
                 if self._closed:
                     return
-                jobs, self._waiting = self._waiting, []
+                jobs = self._take()
             items = sorted(((job, i) for job in jobs for i in range(len(job.ids))), key=lambda x: len(x[0].ids[x[1]]))
             for chunk in self._chunks(items):
                 now = time.monotonic()
@@ -241,6 +242,21 @@ class EmbedEngine(Engine):
                     result = self._result(job)
                     with self._cond:
                         self._end(job, result)
+
+    def _take(self) -> list[_Job]:
+        """The next jobs to run (under the lock): the oldest waiting, as many as fill about
+        two forwards (at least one job). Jobs then end a forward or two after they are taken,
+        instead of all at the end of one long pass, and the rest (with any that arrive
+        meanwhile) go into the next pass, sorted together: the engine stays busy while the
+        clients of the ended jobs send their next requests."""
+        taken, tokens = 0, 0
+        for job in self._waiting:
+            if taken and tokens >= 2 * self.budget:
+                break
+            taken += 1
+            tokens += sum(len(ids) for ids in job.ids)
+        jobs, self._waiting = self._waiting[:taken], self._waiting[taken:]
+        return jobs
 
     def _chunks(self, items: list[tuple[_Job, int]]):
         """Runs of `items` (sorted by length) whose padded size fits the token budget."""
