@@ -182,7 +182,7 @@ class FairLines:
             for name in names:
                 pipe.lrange(keys.fair_line(queue, step, _text(name)), 0, -1)
         return {
-            (json.loads(_message(raw)).get("headers") or {}).get("id", "") for msgs in pipe.execute() for raw in msgs
+            (json.loads(message_of(raw)).get("headers") or {}).get("id", "") for msgs in pipe.execute() for raw in msgs
         }
 
     def waiting(self, queue: str) -> dict[str, int]:
@@ -203,7 +203,7 @@ def _text(v: str | bytes) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def _message(entry: str | bytes) -> str:
+def message_of(entry: str | bytes) -> str:
     """The message of a line's entry, "<cost> <message>" (a bare message from before costs)."""
     entry = _text(entry)
     return entry if entry.startswith("{") else entry.split(" ", 1)[1]
