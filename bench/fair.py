@@ -158,6 +158,28 @@ def run_mode(fair: bool, args, logs: Path) -> dict:
         s.stop()
 
 
+def throughput(args, logs: Path) -> list[dict]:
+    """The flood alone (no calm key): its jobs/s with fair share on and off, in alternating
+    rounds, each round a stack of its own: what the lines, the refill per take and
+    GENQ_FAIR_DEPTH cost a key that has the worker to itself."""
+    out = []
+    for r in range(args.rounds):
+        for fair in (True, False):
+            s = Stack(fair, args, logs)
+            try:
+                for j in [s.submit(FLOOD_KEY, args.calm_tokens) for _ in range(args.warm)]:
+                    s.wait(j, FLOOD_KEY)
+                t0 = time.time()
+                with ThreadPoolExecutor(16) as pool:
+                    ids = list(pool.map(lambda _: s.submit(FLOOD_KEY, args.flood_tokens), range(args.throughput)))
+                end = max(s.wait(j, FLOOD_KEY)["timings"]["finished"] for j in ids)
+                out.append({"round": r, "fair_share": fair, "jobs_per_s": len(ids) / (end - t0)})
+                print(json.dumps(out[-1]), flush=True)
+            finally:
+                s.stop()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flood", type=int, default=300, help="jobs the flooding key submits at once")
@@ -183,7 +205,19 @@ def main() -> int:
         default="tiny",
         help="tiny (float32) or SmolLM2-135M-Instruct (auto dtype)",
     )
+    p.add_argument("--throughput", type=int, default=0, help="instead: N flood jobs alone, fair share on vs off")
+    p.add_argument("--rounds", type=int, default=2, help="with --throughput: alternating rounds")
     args = p.parse_args()
+    if args.throughput:
+        with tempfile.TemporaryDirectory(prefix="bench-fair-") as tmp:
+            rounds = throughput(args, Path(tmp))
+        on = [r["jobs_per_s"] for r in rounds if r["fair_share"]]
+        off = [r["jobs_per_s"] for r in rounds if not r["fair_share"]]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "throughput": rounds}))
+        print(f"\n{args.throughput} flood jobs of {args.flood_tokens} tokens, batch {args.batch}, model {args.model}")
+        print(f"jobs/s, fair share on: {on}; off: {off}; on / off: {statistics.mean(on) / statistics.mean(off):.3f}")
+        return 0
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-fair-") as tmp:
         for mode in args.modes.split(","):
