@@ -1,10 +1,13 @@
-"""`python -m bench.fair`: a calm key's latency while another key floods the queue (issue 34,
-item 1). For each mode (fair share on, off) it starts a stack of its own (a private Redis, the
-API with two keys, one hf worker on the tiny model or, with `--model smollm2`, the real SmolLM2), measures the calm key's job latency idle
-(one job at a time), then submits a flood of jobs from the other key and, while the flood is
-worked on, the calm key's jobs at a steady pace; latency is the job's `total_s` (created to
-finished). Prints a Markdown table and writes bench/out/fair.json. docs/benchmarks.md, "Fair
-share between keys", has the command and the results.
+"""`python -m bench.fair`: a calm key's latency while another key floods the queue (issues 34
+and 45). For each mode (fair share on, off) it starts a stack of its own (a private Redis, the
+API with two keys, one hf worker on the tiny model or, with `--model smollm2`, the real
+SmolLM2), measures the calm key's job latency idle (one job at a time) and a flood job's alone,
+then submits a flood of long jobs from the other key and, while the flood is worked on, the
+calm key's short jobs at a steady pace; latency is the job's `total_s` (created to finished).
+The flood's throughput (its jobs finished a second) is compared between a window before the
+calm jobs and the window they take. The flood is not waited for: the stack stops after the
+calm jobs. Prints a Markdown table and writes bench/out/fair.json; docs/benchmarks.md, "Fair
+share between keys", has the commands and the results.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class Stack:
         port = stackmod.free_port()
         self.base = f"http://127.0.0.1:{port}"
         keys_file = logs / "keys"
-        keys_file.write_text(f"{FLOOD_KEY} name=flood\n{CALM_KEY} name=calm\n")
+        keys_file.write_text(f"{FLOOD_KEY} name=flood\n{CALM_KEY} name=calm weight={args.calm_weight}\n")
         env = {
             "REDIS_URL": self.db.url,
             "GENQ_MODEL": str(checkpoint(args.model)),
@@ -56,16 +59,21 @@ class Stack:
         stackmod.wait_until(lambda: _quiet(ready), 120, "the stack", self.procs)
 
     def submit(self, key: str, max_tokens: int) -> str:
-        body = {"prompt": "Hello, my name is", "max_new_tokens": max_tokens, "temperature": 0}
+        body = {"prompt": "Hello, my name is", "max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         resp = self.http.post(f"{self.base}/v1/jobs", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         resp.raise_for_status()
         return resp.json()["id"]
 
-    def wait(self, job_id: str, key: str) -> dict:
-        resp = self.http.get(f"{self.base}/v1/jobs/{job_id}?wait=300", headers={"Authorization": f"Bearer {key}"})
-        resp.raise_for_status()
-        job = resp.json()
-        assert job["status"] == "succeeded", job
+    def wait(self, job_id: str, key: str, wait: bool = True) -> dict:
+        """The job's record, once it has ended (`wait`), else as it is now."""
+        while True:
+            url = f"{self.base}/v1/jobs/{job_id}?wait={60 if wait else 0}"
+            resp = self.http.get(url, headers={"Authorization": f"Bearer {key}"})
+            resp.raise_for_status()
+            job = resp.json()
+            if not wait or job["status"] not in ("queued", "running"):
+                break
+        assert not wait or job["status"] == "succeeded", job
         return job
 
     def stop(self) -> None:
@@ -94,51 +102,101 @@ def _quiet(check) -> bool:
 def run_mode(fair: bool, args, logs: Path) -> dict:
     s = Stack(fair, args, logs)
     try:
-        # Warm up: every batch shape the flood will see, then one job at a time.
+        # Warm up: the batch shapes the flood will see, then one job at a time.
         with ThreadPoolExecutor(16) as pool:
-            warm = list(pool.map(lambda _: s.submit(FLOOD_KEY, args.max_tokens), range(args.warm)))
-        for j in warm + [s.submit(CALM_KEY, args.max_tokens) for _ in range(3)]:
+            warm = list(pool.map(lambda _: s.submit(FLOOD_KEY, args.calm_tokens), range(args.warm)))
+        for j in warm + [s.submit(CALM_KEY, args.calm_tokens) for _ in range(3)]:
             s.wait(j, FLOOD_KEY if j in warm else CALM_KEY)
-        idle_jobs = [s.wait(s.submit(CALM_KEY, args.max_tokens), CALM_KEY) for _ in range(args.calm)]
+        idle_jobs = [s.wait(s.submit(CALM_KEY, args.calm_tokens), CALM_KEY) for _ in range(args.calm)]
         idle = [j["timings"]["total_s"] for j in idle_jobs]
+        alone = s.wait(s.submit(FLOOD_KEY, args.flood_tokens), FLOOD_KEY)["timings"]["total_s"]
         t0 = time.time()
         with ThreadPoolExecutor(16) as pool:
-            flood = list(pool.map(lambda _: s.submit(FLOOD_KEY, args.max_tokens), range(args.flood)))
+            flood = list(pool.map(lambda _: s.submit(FLOOD_KEY, args.flood_tokens), range(args.flood)))
+        # The flood alone for a while (its rate before), then the calm key's jobs at a pace.
+        time.sleep(args.before if args.before is not None else 10 * alone)
+        t1 = time.time()
         calm = []
-        for _ in range(args.calm):  # a steady pace while the flood is worked on
-            calm.append(s.submit(CALM_KEY, args.max_tokens))
+        for _ in range(args.calm):
+            calm.append(s.submit(CALM_KEY, args.calm_tokens))
             time.sleep(args.pace)
         calm_jobs = [s.wait(j, CALM_KEY) for j in calm]
-        flood_jobs = [s.wait(j, FLOOD_KEY) for j in flood]
-        flood_end = max(j["timings"]["finished"] for j in flood_jobs)
-        last_start = max(j["timings"]["started"] for j in flood_jobs)
-        ahead = [j for j in calm_jobs if j["timings"]["started"] < last_start]
-        lat = [j["timings"]["total_s"] for j in calm_jobs]
+        t2 = max(j["timings"]["finished"] for j in calm_jobs)
+        flood_t = [s.wait(j, FLOOD_KEY, wait=False)["timings"] for j in flood]
+        ended = [t["finished"] for t in flood_t if t.get("finished")]
+        began = [t["started"] for t in flood_t if t.get("started")]
+        # Per calm job: the flood jobs that started while it waited (what went ahead of it).
+        ahead = [sum(c["timings"]["created"] < t < c["timings"]["started"] for t in began) for c in calm_jobs]
+        settle = t0 + alone  # the first rows' jobs are under way
+        before = sum(settle <= t < t1 for t in ended) / max(t1 - settle, 1e-9)
+        during = sum(t1 <= t < t2 for t in ended) / max(t2 - t1, 1e-9)
+        overall = sum(settle <= t < t2 for t in ended) / max(t2 - settle, 1e-9)
+        lat = sorted(j["timings"]["total_s"] for j in calm_jobs)
+        bound = statistics.median(idle) + alone
         return {
+            "fair_share": fair,
+            "calm_weight": args.calm_weight,
+            "idle_p50_s": statistics.median(idle),
+            "flood_job_alone_s": alone,
+            "bound_s": bound,
+            "flood_p50_s": statistics.median(lat),
+            "flood_p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+            "p50_over_bound": statistics.median(lat) / bound,
+            "p99_over_bound": lat[min(len(lat) - 1, int(0.99 * len(lat)))] / bound,
             "calm_queued_p50_s": statistics.median(j["timings"]["queued_s"] for j in calm_jobs),
             "calm_run_p50_s": statistics.median(j["timings"]["run_s"] for j in calm_jobs),
-            "fair_share": fair,
-            "idle_queued_p50_s": statistics.median(j["timings"]["queued_s"] for j in idle_jobs),
-            "idle_p50_s": statistics.median(idle),
-            "flood_p50_s": statistics.median(lat),
-            "flood_max_s": max(lat),
-            "ratio": statistics.median(lat) / statistics.median(idle),
-            "calm_started_before_flood_last": len(ahead),
-            "flood_s": flood_end - t0,
+            "flood_rate_before": before,
+            "flood_rate_during": during,
+            "flood_loss": 1 - during / before if before else None,
+            "flood_rate": overall,
+            "flood_started_ahead_max": max(ahead),
+            "flood_started_ahead_p50": statistics.median(ahead),
+            "flood_done_before": sum(settle <= t < t1 for t in ended),
+            "flood_done_during": sum(t1 <= t < t2 for t in ended),
         }
     finally:
         s.stop()
 
 
+def throughput(args, logs: Path) -> list[dict]:
+    """The flood alone (no calm key): its jobs/s with fair share on and off, in alternating
+    rounds, each round a stack of its own: what the lines, the refill per take and
+    GENQ_FAIR_DEPTH cost a key that has the worker to itself."""
+    out = []
+    for r in range(args.rounds):
+        for fair in (True, False):
+            s = Stack(fair, args, logs)
+            try:
+                for j in [s.submit(FLOOD_KEY, args.calm_tokens) for _ in range(args.warm)]:
+                    s.wait(j, FLOOD_KEY)
+                t0 = time.time()
+                with ThreadPoolExecutor(16) as pool:
+                    ids = list(pool.map(lambda _: s.submit(FLOOD_KEY, args.flood_tokens), range(args.throughput)))
+                end = max(s.wait(j, FLOOD_KEY)["timings"]["finished"] for j in ids)
+                out.append({"round": r, "fair_share": fair, "jobs_per_s": len(ids) / (end - t0)})
+                print(json.dumps(out[-1]), flush=True)
+            finally:
+                s.stop()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flood", type=int, default=300, help="jobs the flooding key submits at once")
-    p.add_argument("--calm", type=int, default=20, help="jobs of the calm key, idle and during the flood")
-    p.add_argument("--pace", type=float, default=0.1, help="seconds between the calm key's jobs")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--batch", type=int, default=8, help="GENQ_MAX_BATCH_SIZE of the one worker")
-    p.add_argument("--warm", type=int, default=64, help="jobs of a flood that warms the worker up first")
-    p.add_argument("--depth", type=int, default=4, help="GENQ_FAIR_DEPTH")
+    p.add_argument("--calm", type=int, default=10, help="jobs of the calm key, idle and during the flood")
+    p.add_argument("--pace", type=float, default=0.5, help="seconds between the calm key's jobs")
+    p.add_argument("--flood-tokens", type=int, default=256, help="max_new_tokens of a flood job (EOS ignored)")
+    p.add_argument("--calm-tokens", type=int, default=16, help="max_new_tokens of a calm job (EOS ignored)")
+    p.add_argument("--calm-weight", type=int, default=1, help="the calm key's weight (the flood's is 1)")
+    p.add_argument("--batch", type=int, default=2, help="GENQ_MAX_BATCH_SIZE of the one worker")
+    p.add_argument("--warm", type=int, default=8, help="jobs of a flood that warms the worker up first")
+    p.add_argument("--depth", type=int, default=1, help="GENQ_FAIR_DEPTH")
+    p.add_argument(
+        "--before",
+        type=float,
+        default=None,
+        help="seconds of flood alone before the calm jobs (default: 10 flood jobs' time)",
+    )
     p.add_argument("--out", type=Path, default=OUT / "fair.json", help="where the results go (JSON)")
     p.add_argument("--modes", default="on,off", help="fair share on, off, or both")
     p.add_argument(
@@ -147,7 +205,19 @@ def main() -> int:
         default="tiny",
         help="tiny (float32) or SmolLM2-135M-Instruct (auto dtype)",
     )
+    p.add_argument("--throughput", type=int, default=0, help="instead: N flood jobs alone, fair share on vs off")
+    p.add_argument("--rounds", type=int, default=2, help="with --throughput: alternating rounds")
     args = p.parse_args()
+    if args.throughput:
+        with tempfile.TemporaryDirectory(prefix="bench-fair-") as tmp:
+            rounds = throughput(args, Path(tmp))
+        on = [r["jobs_per_s"] for r in rounds if r["fair_share"]]
+        off = [r["jobs_per_s"] for r in rounds if not r["fair_share"]]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "throughput": rounds}))
+        print(f"\n{args.throughput} flood jobs of {args.flood_tokens} tokens, batch {args.batch}, model {args.model}")
+        print(f"jobs/s, fair share on: {on}; off: {off}; on / off: {statistics.mean(on) / statistics.mean(off):.3f}")
+        return 0
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-fair-") as tmp:
         for mode in args.modes.split(","):
@@ -157,15 +227,28 @@ def main() -> int:
     meta = {**vars(args), "out": str(args.out)}
     args.out.write_text(json.dumps({"args": meta, "cpus": os.cpu_count(), "results": results}))
     print(
-        f"\n{args.flood}-job flood, {args.calm} calm jobs every {args.pace} s, max_tokens {args.max_tokens}, "
-        f"batch {args.batch}, GENQ_FAIR_DEPTH {args.depth}, model {args.model}\n"
+        f"\n{args.flood}-job flood of {args.flood_tokens} tokens, {args.calm} calm jobs of {args.calm_tokens} "
+        f"every {args.pace} s (weight {args.calm_weight}:1), batch {args.batch}, GENQ_FAIR_DEPTH {args.depth}, "
+        f"model {args.model}\n"
     )
-    print("| fair share | calm p50 idle | calm p50 in flood | ratio | of which queued / running (p50) | flood took |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| fair share | calm idle p50 | a flood job alone | bound | calm p50 in flood | p99 | p50 / bound | "
+        "p99 / bound | flood jobs/s before / during the calm jobs | flood jobs/s in all |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        loss = f"{100 * r['flood_loss']:.0f} %" if r["flood_loss"] is not None else "n/a"
         print(
-            f"| {'on' if r['fair_share'] else 'off'} | {r['idle_p50_s']:.3f} s | {r['flood_p50_s']:.3f} s | "
-            f"{r['ratio']:.1f}x | {r['calm_queued_p50_s']:.3f} s / {r['calm_run_p50_s']:.3f} s | {r['flood_s']:.1f} s |"
+            f"| {'on' if r['fair_share'] else 'off'} | {r['idle_p50_s']:.2f} s | {r['flood_job_alone_s']:.2f} s | "
+            f"{r['bound_s']:.2f} s | {r['flood_p50_s']:.2f} s | {r['flood_p99_s']:.2f} s | "
+            f"{r['p50_over_bound']:.2f}x | {r['p99_over_bound']:.2f}x | "
+            f"{r['flood_rate_before']:.3f} / {r['flood_rate_during']:.3f} ({loss}) | {r['flood_rate']:.3f} |"
+        )
+    if len(results) == 2 and results[1]["flood_rate"]:
+        on, off = results
+        print(
+            f"\nflood jobs/s, fair share {'on' if on['fair_share'] else 'off'} over the other: "
+            f"{on['flood_rate'] / off['flood_rate']:.3f}"
         )
     return 0
 

@@ -257,10 +257,11 @@ class WorkerSettings(_Env):
         "(tasks/fair.py); off: first-in, first-out",
     )
     fair_depth: int = Field(
-        4,
+        1,
         ge=1,
         description="fair share: the messages one priority step of a model's Celery queue holds before "
-        "further ones wait in their owners' lines (more: fewer refills; fewer: a calm key waits less)",
+        "further ones wait in their owners' lines (each a job committed first-in, first-out ahead of "
+        "the next choice; a worker refills the list as it takes each job)",
     )
 
 

@@ -13,7 +13,10 @@ from tasks import keys
 from tasks.kombu_compat import queue_key
 
 # Refill `list` from the lines of the step whose active owners are `owners`, in weighted turns,
-# until it holds `depth` messages or no line waits. Returns how many messages moved.
+# until it holds `depth` messages or no line waits. Returns how many messages moved. A line's
+# entry is "<cost> <message>": an owner's next turn comes cost / weight after its last (the
+# cost: the tokens its job asks for), so a key of short jobs gets as many tokens as one of long
+# ones, not as many jobs.
 FILL_LUA = """
 local function fill(list, owners, weights, depth)
   local moved = 0
@@ -22,8 +25,14 @@ local function fill(list, owners, weights, depth)
     if #top == 0 then break end
     local who, pass = top[1], tonumber(top[2])
     local line = owners .. ':' .. who
-    local m = redis.call('LPOP', line)
-    if m then
+    local entry = redis.call('LPOP', line)
+    local cost = 1
+    if entry then
+      local m = entry
+      local sp = string.find(entry, ' ', 1, true)
+      if string.sub(entry, 1, 1) ~= '{' and sp then  -- "<cost> <message>"; a bare message costs 1
+        cost, m = tonumber(string.sub(entry, 1, sp - 1)) or 1, string.sub(entry, sp + 1)
+      end
       redis.call('LPUSH', list, m)
       redis.call('SET', owners .. '/clock', top[2])
       moved = moved + 1
@@ -31,13 +40,12 @@ local function fill(list, owners, weights, depth)
     if redis.call('LLEN', line) == 0 then
       redis.call('ZREM', owners, who)
     else
-      redis.call('ZADD', owners, pass + 1 / (tonumber(redis.call('HGET', weights, who)) or 1), who)
+      redis.call('ZADD', owners, pass + cost / (tonumber(redis.call('HGET', weights, who)) or 1), who)
     end
   end
   return moved
 end
 """
-
 # The mover on its own. KEYS: the weights hash. ARGV: the depth, then each step's list and
 # active owners' zset, in priority order. A zset with no owner left is no key: one EXISTS says
 # whether any line waits (a worker refills after every job it takes, mostly with none waiting).
@@ -83,20 +91,20 @@ end
 
 # The `push` tasks/job_lua.py's CREATE calls for each message it records, with fair share: it
 # takes the last 3 KEYS (the step's shared list, its active owners, the weights hash) and the
-# last 3 ARGV (depth, owner, weight). A message for another list (a worker's lane) is pushed
-# as it is without fair share.
+# last 4 ARGV (depth, owner, weight, each job's cost). A message for another list (a worker's
+# lane) is pushed as it is without fair share.
 PUSH_LUA = (
     FILL_LUA
     + """
 local PUSH_KEYS = 3
 local F_LIST, F_OWNERS, F_WEIGHTS = KEYS[#KEYS - 2], KEYS[#KEYS - 1], KEYS[#KEYS]
-local F_DEPTH, F_OWNER, F_WEIGHT = tonumber(ARGV[#ARGV - 2]), ARGV[#ARGV - 1], ARGV[#ARGV]
+local F_DEPTH, F_OWNER, F_WEIGHT, F_COST = tonumber(ARGV[#ARGV - 3]), ARGV[#ARGV - 2], ARGV[#ARGV - 1], ARGV[#ARGV]
 local function push(k, v)
   if k ~= F_LIST or (redis.call('ZCARD', F_OWNERS) == 0 and redis.call('LLEN', k) < F_DEPTH) then
     redis.call('LPUSH', k, v)
     return
   end
-  redis.call('RPUSH', F_OWNERS .. ':' .. F_OWNER, v)
+  redis.call('RPUSH', F_OWNERS .. ':' .. F_OWNER, F_COST .. ' ' .. v)
   redis.call('HSET', F_WEIGHTS, F_OWNER, F_WEIGHT)
   if not redis.call('ZSCORE', F_OWNERS, F_OWNER) then
     redis.call('ZADD', F_OWNERS, redis.call('GET', F_OWNERS .. '/clock') or '0', F_OWNER)
@@ -113,9 +121,13 @@ local function push(k, v) redis.call('LPUSH', k, v) end
 """
 
 
-def turns(weights: dict[str, int], backlog: dict[str, int], clock: float = 0.0) -> list[str]:
+def turns(
+    weights: dict[str, int], backlog: dict[str, int], clock: float = 0.0, costs: dict[str, int] | None = None
+) -> list[str]:
     """The order in which `FILL_LUA` serves owners whose lines hold `backlog` messages, all
-    joining at `clock`: what it does, in Python (tests/test_fair.py holds the two together)."""
+    joining at `clock`, each of `owner`'s jobs costing `costs[owner]` (1 if not given): what it
+    does, in Python (tests/test_fair.py holds the two together)."""
+    costs = costs or {}
     score = {o: clock for o, n in backlog.items() if n > 0}
     left = dict(backlog)
     order: list[str] = []
@@ -124,7 +136,7 @@ def turns(weights: dict[str, int], backlog: dict[str, int], clock: float = 0.0) 
         order.append(who)
         left[who] -= 1
         if left[who]:
-            score[who] += 1 / weights.get(who, 1)
+            score[who] += costs.get(who, 1) / weights.get(who, 1)
         else:
             del score[who]
     return order
@@ -137,10 +149,11 @@ class FairLines:
         self.r, self.steps, self.depth = client, steps, depth
         self._fill = client.register_script(_FILL)
 
-    def push_args(self, queue: str, step: int, owner: str, weight: int) -> tuple[list[str], list]:
+    def push_args(self, queue: str, step: int, owner: str, weight: int, cost: int = 1) -> tuple[list[str], list]:
         """The KEYS and ARGV that `PUSH_LUA` takes from the end of CREATE's, for jobs of
-        `owner` at priority `step` on `queue`."""
-        return [queue_key(queue, step), keys.fair_owners(queue, step), keys.FAIR_WEIGHTS], [self.depth, owner, weight]
+        `owner` at priority `step` on `queue`, each costing `cost` (the tokens it asks for)."""
+        keys_ = [queue_key(queue, step), keys.fair_owners(queue, step), keys.FAIR_WEIGHTS]
+        return keys_, [self.depth, owner, weight, max(1, int(cost))]
 
     def fill(self, queue: str) -> int:
         """Refill every priority step's list of `queue` from its lines; how many moved."""
@@ -168,7 +181,9 @@ class FairLines:
         for step, names in enumerate(owners):
             for name in names:
                 pipe.lrange(keys.fair_line(queue, step, _text(name)), 0, -1)
-        return {(json.loads(raw).get("headers") or {}).get("id", "") for msgs in pipe.execute() for raw in msgs}
+        return {
+            (json.loads(message_of(raw)).get("headers") or {}).get("id", "") for msgs in pipe.execute() for raw in msgs
+        }
 
     def waiting(self, queue: str) -> dict[str, int]:
         """How many messages wait in each owner's lines of `queue` (over all steps)."""
@@ -186,3 +201,9 @@ class FairLines:
 
 def _text(v: str | bytes) -> str:
     return v.decode() if isinstance(v, bytes) else v
+
+
+def message_of(entry: str | bytes) -> str:
+    """The message of a line's entry, "<cost> <message>" (a bare message from before costs)."""
+    entry = _text(entry)
+    return entry if entry.startswith("{") else entry.split(" ", 1)[1]

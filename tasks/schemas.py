@@ -328,6 +328,7 @@ class JobSpec(BaseModel):
     priority: int = 0
     deadline: float | None = Field(None, description="unix time; past it the job expires or times out")
     owner: str | None = Field(None, description="the submitting API key's name (never the key)")
+    weight: int = Field(1, ge=1, description="its owner's fair-share weight (tasks/fair.py, the engine's order)")
     callback_url: str | None = Field(None, description="where the API POSTs the job's record once it ends")
 
 

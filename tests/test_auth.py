@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from tasks.config import Settings
+from tasks.fair import message_of
 from tests.helpers import sse_events
 from webapp import auth, create_app
 
@@ -241,7 +242,7 @@ def test_keys_reach_no_log_record_or_message(keyed, idle, r):
     assert record["owner"] == NAMES[ALICE]
     # On its queue's lists, or (fair share: tasks/fair.py) in its key's line.
     lists = [*r.scan_iter(f"genq.{idle.name}*"), *r.scan_iter(f"genq:fair:genq.{idle.name}*")]
-    messages = [m for q in lists if r.type(q) == "list" for m in r.lrange(q, 0, -1)]
+    messages = [message_of(m) for q in lists if r.type(q) == "list" for m in r.lrange(q, 0, -1)]
     mine = [m for m in messages if job_id in m]
     assert mine
     (message,) = mine

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import threading
 import time
 import uuid
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from scripts import realmodel
 from tasks import keys
 from tasks.celery_app import PRIORITY_STEPS
 from tasks.fair import FairLines, turns
@@ -58,14 +60,14 @@ class Queue:
         self.store = JobStore(client, ttl=600)
         self.fair = FairLines(client, STEPS, depth)
 
-    def submit(self, owner: str, n: int, weight: int = 1, step: int = 4, fair: bool = True) -> list[str]:
+    def submit(self, owner: str, n: int, weight: int = 1, step: int = 4, fair: bool = True, cost: int = 1) -> list[str]:
         specs = [
             JobSpec(id=f"{owner}-{uuid.uuid4().hex[:8]}", model="m", prompt="p", params=SamplingParams(), owner=owner)
             for _ in range(n)
         ]
         lists = [queue_key(self.name, step)] * n
         messages = [(k, json.dumps({"headers": {"id": s.id}})) for k, s in zip(lists, specs, strict=True)]
-        push = self.fair.push_args(self.name, step, owner, weight) if fair else None
+        push = self.fair.push_args(self.name, step, owner, weight, cost) if fair else None
         assert self.store.create(specs, self.name, 100_000, None, messages, push)[0]
         return [s.id for s in specs]
 
@@ -151,6 +153,33 @@ def test_lines_are_served_in_the_weighted_turns_that_turns_computes(client):
     expect = turns({"a": 2, "b": 1, "c": 1}, {"a": 18, "b": 18, "c": 6})
     assert order[1:] == "".join(expect)
     assert order[1:13].count("a") == 6 and order[1:13].count("b") == 3  # weight 2 vs 1
+
+
+def test_turns_are_charged_the_tokens_each_job_asks_for():
+    # A key of 16-token jobs has sixteen turns for each turn of a key of 256-token jobs.
+    order = turns({}, {"flood": 5, "calm": 40}, costs={"flood": 256, "calm": 16})
+    assert order[:18] == ["calm"] + ["flood"] + ["calm"] * 16
+    assert turns({"calm": 2}, {"flood": 3, "calm": 3}, costs={"flood": 4, "calm": 8}) == [
+        "calm",
+        "flood",
+        "calm",
+        "flood",
+        "calm",
+        "flood",
+    ]
+
+
+def test_lines_charge_each_turn_its_jobs_tokens_as_turns_computes(client):
+    q = Queue(client, depth=1)
+    flood = q.submit("flood", 8, cost=256)  # its first goes onto the list, the rest in its line
+    calm = q.submit("calm", 5, cost=16)
+    order = q.drain()
+    # The flood's first was on the list; then the lines in turns (both keys joined at the clock,
+    # a tie goes by name): one 256-token turn of the flood to sixteen 16-token ones of calm.
+    expect = turns({}, {"flood": 7, "calm": 5}, costs={"flood": 256, "calm": 16})
+    assert [j.split("-")[0] for j in order] == ["flood", *expect]
+    assert expect[:6] == ["calm", "flood", "calm", "calm", "calm", "calm"]
+    assert [j for j in order if j.startswith("calm")] == calm and order[0] == flood[0]
 
 
 def test_a_higher_priority_goes_first_whatever_the_lines_of_a_lower_one_hold(client):
@@ -239,63 +268,119 @@ FLOOD = 60
 CALM = 3
 
 
-def _keys_file(tmp_path: Path) -> Path:
+FLOOD_KEY, CALM_KEY = "sk-flood-0000000000", "sk-calm-00000000000"
+
+
+def _keys_file(tmp_path: Path, calm_weight: int = 1) -> Path:
     path = tmp_path / "keys"
-    path.write_text("sk-flood-0000000000 name=flood\nsk-calm-00000000000 name=calm\n")
+    path.write_text(f"{FLOOD_KEY} name=flood\n{CALM_KEY} name=calm weight={calm_weight}\n")
     return path
 
 
-@pytest.mark.parametrize("fair", [True, False], ids=["fair", "fifo"])
-def test_a_calm_key_is_not_queued_behind_another_keys_flood(make_stack, tmp_path, fair):
+def _post(s, key: str, tokens: int, priority: int = 0) -> str:
+    body = {"prompt": "Hello, my name is", "max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    resp = s.post("/v1/jobs", json={**body, "priority": priority}, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 202, resp.text
+    return resp.json()["id"]
+
+
+def _final(s, job_id: str, key: str) -> dict:
+    for _ in range(10):
+        resp = s.get(f"/v1/jobs/{job_id}?wait=60", headers={"Authorization": f"Bearer {key}"})
+        assert resp.status_code == 200, resp.text
+        if resp.json()["status"] not in ("queued", "running"):
+            return resp.json()
+    raise AssertionError(f"job {job_id} did not end")
+
+
+def _ahead(job: dict, others: list[dict]) -> int:
+    """How many of `others` started while `job` waited (created to started)."""
+    t = job["timings"]
+    return sum(t["created"] < (o["timings"]["started"] or 0) < t["started"] for o in others)
+
+
+def _flood_stack(make_stack, tmp_path, calm_weight: int = 1, **env: str):
     s = make_stack(
-        GENQ_API_KEYS_FILE=str(_keys_file(tmp_path)),
-        GENQ_FAIR_SHARE=str(fair).lower(),
-        GENQ_MAX_BATCH_SIZE="4",
-        GENQ_RECONCILE_INTERVAL="1",
+        GENQ_API_KEYS_FILE=str(_keys_file(tmp_path, calm_weight)),
+        GENQ_MAX_BATCH_SIZE="2",
+        GENQ_RESERVED_SLOTS="2",  # two jobs waiting in the worker beyond its rows: ordered there
+        GENQ_MAX_QUEUE_DEPTH="1000",
+        **env,
     )
     s.start_api()
     worker = s.start_worker()
     s.wait_ready()
+    return s, worker
 
-    def post(key: str) -> str:
-        body = {"prompt": "Hello, my name is", "max_new_tokens": 8, "temperature": 0}
-        resp = s.post("/v1/jobs", json=body, headers={"Authorization": f"Bearer {key}"})
-        assert resp.status_code == 202, resp.text
-        return resp.json()["id"]
 
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_a_calm_keys_jobs_start_at_the_next_free_rows_not_after_the_flood_handed_out(make_stack, tmp_path, model):
+    """One worker of 2 rows and 2 reserved slots (the tiny model, and the real default model);
+    a flood of 64-token jobs, then a calm key's 8-token jobs one after another, and a flood job
+    of a higher priority. What may start ahead of a calm job: the one message on the list, the
+    worker's two reserved jobs (they were there before it) and the rows' own race. First in,
+    first out (GENQ_FAIR_DEPTH 4 and turns by job count, as before) let 4-7 go ahead of each."""
+    env = {"GENQ_MODEL": str(realmodel.ensure())} if model == "smollm2" else {}  # the real default model
+    s, _ = _flood_stack(make_stack, tmp_path, **env)
+    n, tokens = (16, 48) if model == "smollm2" else (30, 64)
     with ThreadPoolExecutor(8) as pool:
-        flood = list(pool.map(lambda _: post("sk-flood-0000000000"), range(FLOOD)))
-    calm = [post("sk-calm-00000000000") for _ in range(CALM)]
-    cancelled = flood[-1]  # still waiting (in its line, with fair share): cancel it there
-    assert s.post(f"/v1/jobs/{cancelled}/cancel", headers={"Authorization": "Bearer sk-flood-0000000000"}).ok
-
-    def view(job_id: str, key: str) -> dict:
-        resp = s.get(f"/v1/jobs/{job_id}?wait=60", headers={"Authorization": f"Bearer {key}"})
-        assert resp.status_code == 200, resp.text
-        return resp.json()
-
-    calm_jobs = [view(j, "sk-calm-00000000000") for j in calm]
-    flood_jobs = [view(j, "sk-flood-0000000000") for j in flood]
-    assert [j["status"] for j in calm_jobs] == ["succeeded"] * CALM
-    assert [j["status"] for j in flood_jobs] == ["succeeded"] * (FLOOD - 1) + ["cancelled"]
-    assert flood_jobs[-1]["timings"]["started"] is None  # skipped, never run
-    assert all(j["attempts"] == 1 for j in calm_jobs + flood_jobs[:-1])
-    assert "published it again" not in worker.log.read_text()  # the reconciler took no lined job for lost
-
-    starts = sorted(j["timings"]["started"] for j in flood_jobs[:-1])
-    last_calm = max(j["timings"]["started"] for j in calm_jobs)
-    behind = sum(t > last_calm for t in starts)  # flood jobs that started after the calm key's last
-    if fair:
-        assert behind >= 2 * FLOOD // 3, (behind, starts, last_calm)
-    else:
-        assert behind == 0, (behind, starts, last_calm)
+        flood = list(pool.map(lambda _: _post(s, FLOOD_KEY, tokens), range(n)))
+    time.sleep(1.0)  # the flood is under way
+    calm = []
+    for _ in range(4):
+        calm.append(_post(s, CALM_KEY, 8))
+        time.sleep(0.3)
+    urgent = _post(s, FLOOD_KEY, 8, priority=-4)
+    calm_jobs = [_final(s, j, CALM_KEY) for j in calm]
+    urgent_job = _final(s, urgent, FLOOD_KEY)
+    flood_jobs = [s.get(f"/v1/jobs/{j}", headers={"Authorization": f"Bearer {FLOOD_KEY}"}).json() for j in flood]
+    assert all(j["status"] == "succeeded" for j in calm_jobs + [urgent_job])
+    ahead = [_ahead(j, flood_jobs) for j in calm_jobs]
+    assert max(ahead) <= 3, ahead
+    assert sum(ahead) <= 10, ahead  # the later calm jobs go ahead of the flood's turns (cost in tokens)
+    assert _ahead(urgent_job, flood_jobs) <= 3  # a higher priority goes before the turns
+    unstarted = sum(j["timings"]["started"] is None for j in flood_jobs)
+    assert unstarted >= n // 3, unstarted  # the calm jobs ended while the flood was still waiting
 
 
-def test_a_batchs_lines_are_fed_with_its_keys_weight():
-    """The batch driver submits a batch's lines as its key, weight included (webapp/batches)."""
-    from webapp.batches.driver import BatchDriver
+@pytest.mark.parametrize("weight", [1, 3])
+def test_two_keys_that_both_flood_get_their_weights_share_no_more(make_stack, tmp_path, weight):
+    """Both keys ask for more than the worker can run, the calm key faster than the other; each
+    gets its weight's share of the turns (jobs of equal tokens) while both wait, no more."""
+    s, _ = _flood_stack(make_stack, tmp_path, weight)
+    flood = [_post(s, FLOOD_KEY, 16) for _ in range(24)]
+    with ThreadPoolExecutor(8) as pool:
+        calm = list(pool.map(lambda _: _post(s, CALM_KEY, 16), range(40)))
+    jobs = {j: _final(s, j, FLOOD_KEY) for j in flood} | {j: _final(s, j, CALM_KEY) for j in calm}
+    assert all(j["status"] == "succeeded" for j in jobs.values())
+    order = sorted(jobs, key=lambda j: jobs[j]["timings"]["started"])
+    middle = order[8:32]  # both keys waiting: past what was handed out before the calm key came
+    share = sum(j in calm for j in middle) / len(middle)
+    expect = weight / (weight + 1)
+    assert abs(share - expect) <= 0.13, (share, expect)
 
-    rec = {"owner": "heavy", "key_max_queued": "5", "key_max_new_tokens": "", "key_weight": "3"}
-    key = BatchDriver._owner_key(None, rec)
-    assert (key.name, key.max_queued, key.max_new_tokens, key.weight) == ("heavy", 5, None, 3)
-    assert BatchDriver._owner_key(None, {**rec, "key_weight": ""}).weight == 1  # a batch made before weights
+
+def test_a_killed_workers_reserved_jobs_go_back_before_the_flood(make_stack, tmp_path):
+    """A worker holding (running or reserved) jobs of both keys is SIGKILLed: its jobs are
+    published again and run on the next worker ahead of most of the flood's lined jobs, none
+    lost, none run twice to the end."""
+    s, victim = _flood_stack(make_stack, tmp_path, GENQ_RECONCILE_INTERVAL="1")
+    flood = [_post(s, FLOOD_KEY, 200) for _ in range(3)]  # the worker takes these three at once,
+    calm = [_post(s, CALM_KEY, 200) for _ in range(2)]  # then one of these (the other: the list)
+    flood += [_post(s, FLOOD_KEY, 200) for _ in range(9)]  # and these wait in the flood's line
+    store = JobStore(redis.Redis.from_url(s.env["REDIS_URL"], decode_responses=True), ttl=600)
+    held = lambda: [j for j in flood + calm if (store.get(j) or {}).get("status") == "running"]  # noqa: E731
+    deadline = time.monotonic() + 60
+    while len(held()) < 4 and time.monotonic() < deadline:  # 2 rows + 2 reserved
+        time.sleep(0.05)
+    lost = held()
+    assert len(lost) == 4 and calm[0] in lost, lost
+    victim.signal(signal.SIGKILL)
+    victim.popen.wait(10)
+    s.start_worker()
+    jobs = {j: _final(s, j, FLOOD_KEY) for j in flood} | {j: _final(s, j, CALM_KEY) for j in calm}
+    assert all(j["status"] == "succeeded" for j in jobs.values()), {j: r["status"] for j, r in jobs.items()}
+    assert all(jobs[j]["attempts"] == 2 for j in lost) and all(jobs[j]["attempts"] == 1 for j in jobs if j not in lost)
+    lined = [jobs[j]["timings"]["started"] for j in flood[3:]]
+    again = jobs[calm[0]]["timings"]["started"]
+    assert sum(t < again for t in lined) <= 4, (again, sorted(lined))  # not behind the flood's line

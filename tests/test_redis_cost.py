@@ -7,7 +7,8 @@ records, plus what the stack sends per second while idle (heartbeats, sweeps, BR
 timeouts), measured first, over the batch's duration: a slow, loaded machine spreads those
 over fewer jobs a second. Run with `-s` to see the breakdown per command, and what the batch
 cost Redis's process in CPU per job (printed, not asserted: docs/benchmarks.md compares it
-between commits); REDIS_COST_JOBS and REDIS_COST_CLIENTS make the batch larger.
+between commits); REDIS_COST_JOBS and REDIS_COST_CLIENTS make the batch larger,
+REDIS_COST_ENGINE=hf runs the tiny model instead of the echo engine.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from scripts import stack as stackmod
 JOBS = int(os.environ.get("REDIS_COST_JOBS", "120"))
 CLIENTS = int(os.environ.get("REDIS_COST_CLIENTS", "4"))
 IDLE_S = 3.0
+# The engine of the stack: echo (the queue path alone), or hf (the tiny model, as issue 45 counts).
+ENGINE = os.environ.get("REDIS_COST_ENGINE", "echo")
 # The most Redis commands one blocking job may cost, all clients counted (issue 34's goal;
 # docs/benchmarks.md: 19.2 measured, 21.2 before a job without an owner skipped the refill's
 # look and a worker's ended jobs left its in-flight hash in one HDEL a heartbeat, 32.3 before
@@ -45,7 +48,7 @@ def costed(tiny_model, stack_logs):
     db = stackmod.PrivateRedis()
     stacks = Stacks(db.url, tiny_model, stack_logs)
     try:
-        s = stacks(GENQ_ENGINE="echo", GENQ_HEARTBEAT_INTERVAL="2", GENQ_HEARTBEAT_TTL="10")
+        s = stacks(GENQ_ENGINE=ENGINE, GENQ_HEARTBEAT_INTERVAL="2", GENQ_HEARTBEAT_TTL="10")
         s.start_api()
         s.start_worker()
         s.wait_ready()

@@ -21,9 +21,19 @@ class Clock:
         return self.now
 
 
-def seq(name: str, background: bool = False, tokens: int = 1, deadline: float = 1e9) -> Seq:
-    spec = JobSpec(id=name, model="m", prompt="p", priority=1 if background else 0, params=SamplingParams())
-    return Seq(spec, list(range(tokens)), 8, deadline, "late", background=background)
+def seq(
+    name: str,
+    background: bool = False,
+    tokens: int = 1,
+    deadline: float = 1e9,
+    owner: str | None = None,
+    weight: int = 1,
+    max_new: int = 8,
+    priority: int | None = None,
+) -> Seq:
+    prio = priority if priority is not None else 1 if background else 0
+    spec = JobSpec(id=name, model="m", prompt="p", priority=prio, params=SamplingParams(), owner=owner, weight=weight)
+    return Seq(spec, list(range(tokens)), max_new, deadline, "late", background=background)
 
 
 def run(s: Scheduler, *seqs: Seq):
@@ -253,3 +263,60 @@ def test_jobs_wait_while_their_rows_could_take_the_kv_cache_past_its_budget():
     huge = Scheduler(capacity=8, kv_columns=10)
     assert names(run(huge, seq("big", tokens=100)).admit) == ["big"]
     assert names(run(huge, seq("next", tokens=1)).admit) == []
+
+
+# -- the fair order of the jobs a worker holds beyond its rows -------------------------------
+
+
+def admit_one_at_a_time(s: Scheduler) -> list[str]:
+    """Free the one row after each step and take the next job: the order of admission."""
+    order = []
+    while True:
+        plan = s.take(timeout=0)
+        if not plan.admit:
+            return order
+        order += names(plan.admit)
+        s.rows.join(plan.admit)
+        s.rows.keep([])
+
+
+def test_waiting_jobs_of_keys_take_turns_by_the_tokens_they_ask_for():
+    s = Scheduler(capacity=1)
+    flood = [seq(f"f{i}", owner="flood", max_new=256) for i in range(4)]
+    calm = [seq(f"c{i}", owner="calm", max_new=16) for i in range(3)]
+    for x in flood + calm:  # the flood arrived first: first in, first out would run it all first
+        s.submit(x)
+    # f0 first (a tie at the clock goes to the first arrived), then calm's three (16 tokens
+    # each) before the flood's second (256 tokens after its first).
+    assert admit_one_at_a_time(s) == ["f0", "c0", "c1", "c2", "f1", "f2", "f3"]
+
+
+def test_a_heavier_key_gets_its_weight_in_turns_and_priority_comes_before_turns():
+    s = Scheduler(capacity=1)
+    for i in range(6):
+        s.submit(seq(f"a{i}", owner="a", weight=3))
+        s.submit(seq(f"b{i}", owner="b", weight=1))
+    s.submit(seq("urgent", owner="b", priority=-5))  # arrives last, a higher priority
+    order = admit_one_at_a_time(s)
+    # a's turns come every 8/3 tokens, b's every 8 (a tie goes to the first arrived).
+    assert order == ["urgent", "a0", "b0", "a1", "a2", "b1", "a3", "a4", "a5", "b2", "b3", "b4", "b5"]
+    assert sum(x.startswith("a") for x in order[1:9]) == 6  # three turns for each of b's
+
+
+def test_a_key_that_comes_back_goes_next_and_is_not_charged_for_its_past():
+    s = Scheduler(capacity=1)
+    for i in range(6):
+        s.submit(seq(f"f{i}", owner="flood", max_new=100))
+
+    def one() -> str:
+        plan = s.take(timeout=0)
+        s.rows.join(plan.admit)
+        s.rows.keep([])
+        return names(plan.admit)[0]
+
+    order = [one()]
+    for i in range(3):  # the calm key sends one job now and then; each goes next
+        s.submit(seq(f"c{i}", owner="calm", max_new=100))
+        order += [one(), one()]
+    assert order == ["f0", "c0", "f1", "c1", "f2", "c2", "f3"]
+    assert admit_one_at_a_time(s) == ["f4", "f5"]

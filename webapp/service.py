@@ -225,6 +225,7 @@ class JobService:
                 priority=sched.priority,
                 deadline=deadline,
                 owner=owner.name if owner else None,
+                weight=owner.weight if owner else 1,
                 callback_url=callback_url,
             )
             for k, p in enumerate(prompts)
@@ -239,8 +240,15 @@ class JobService:
                 self.settings.max_queue_depth,
                 owner.max_queued if owner else None,
                 [(m.key, m.payload) for m in messages],
-                # Fair share: a key's jobs wait in a line of their own (tasks/fair.py).
-                fair=self.fair.push_args(queue, broker_priority(sched.priority), owner.name, owner.weight)
+                # Fair share: a key's jobs wait in a line of their own (tasks/fair.py), each
+                # costing its turn the tokens it asks for.
+                fair=self.fair.push_args(
+                    queue,
+                    broker_priority(sched.priority),
+                    owner.name,
+                    owner.weight,
+                    params.max_new_tokens or self.settings.default_max_new_tokens,
+                )
                 if owner and self.settings.fair_share
                 else None,
             )

@@ -4,7 +4,10 @@ Plain Python (no torch, no model), tested alone (tests/test_scheduler.py). It ho
 running batch's rows (`rows`: worker/engines/rows.py, the one owner of their order, which the
 KV cache and the runner follow), foreground jobs first, and decides between two decode steps:
 
-- admission: every arrived job while rows are free, foreground ones first;
+- admission: every arrived job while rows are free, foreground ones first, then by priority,
+  then across API keys in fair turns (`FairOrder`: start-time fair queueing on the tokens each
+  job asks for, weighted by its key's weight), so the jobs a worker holds beyond its rows are
+  not first-in, first-out;
 - preemption: a foreground job that finds the batch full takes a background row's place at
   once (the background job with the fewest tokens goes back to waiting, keeping its tokens,
   and is prefilled again when a row frees: preemption by recompute, as vLLM's), so an
@@ -68,6 +71,7 @@ class Seq:
     # joins the batch); `prefilled`: how many its earlier chunks left in the prefix cache.
     chunk: int | None = None
     prefilled: int = 0
+    tag: float = 0.0  # its start tag in the fair order (`FairOrder`)
 
     @property
     def fed(self) -> list[int]:
@@ -84,6 +88,32 @@ class Seq:
         """Characters kept back from the stream: they may turn out to begin a stop string."""
         stops = self.spec.params.stop
         return max(map(len, stops)) - 1 if stops else 0
+
+
+class FairOrder:
+    """Start-time fair queueing of the jobs waiting for a row, across their owners (API keys):
+    a job's tag is when its owner's previous job's share ends (or now, on the order's virtual
+    clock, for an owner with none waiting), a job's share being the tokens it asks for over its
+    owner's weight; the lowest tag goes first. tasks/fair.py orders the keys' lines the same way
+    before a worker takes the jobs; this orders what it took."""
+
+    def __init__(self) -> None:
+        self.clock = 0.0
+        self.finish: dict[str | None, float] = {}
+
+    def arrived(self, seq: Seq) -> None:
+        owner = seq.spec.owner
+        seq.tag = max(self.clock, self.finish.get(owner, 0.0))
+        self.finish[owner] = seq.tag + seq.max_new / max(1, seq.spec.weight)
+
+    def started(self, seq: Seq) -> None:
+        if seq.tag > self.clock:
+            self.clock = seq.tag
+            self.finish = {o: f for o, f in self.finish.items() if f > self.clock}
+
+    @staticmethod
+    def key(seq: Seq) -> tuple:
+        return (seq.background, seq.spec.priority, seq.tag)
 
 
 @dataclass
@@ -140,7 +170,8 @@ class Scheduler:
         self.prefill_share = prefill_share
         self.owed = 0.0
         self.rows = Rows()  # the running batch; the engine has the KV cache and runner follow it
-        self.waiting: list[Seq] = []  # taken from the inbox, no row yet (preempted ones first)
+        self.waiting: list[Seq] = []  # taken from the inbox, no row yet
+        self.order = FairOrder()
         self.preemptions = 0
         self.steps = 0
         self._inbox: queue.SimpleQueue[Seq | None] = queue.SimpleQueue()
@@ -179,6 +210,7 @@ class Scheduler:
                 return Admission()
             if item is None:
                 return Admission()
+            self.order.arrived(item)
             pending.append(item)
         while True:
             try:
@@ -187,6 +219,7 @@ class Scheduler:
                 break
             if item is None:
                 break
+            self.order.arrived(item)
             pending.append(item)
         plan = Admission()
         room = self.capacity - len(self.rows)
@@ -196,7 +229,9 @@ class Scheduler:
             pending[:0] = [self.rows[i] for i in plan.preempt]
             self.preemptions += len(plan.preempt)
             room += len(plan.preempt)
-        self._admit(plan, sorted(pending, key=lambda s: s.background), room)
+        self._admit(plan, sorted(pending, key=FairOrder.key), room)
+        for seq in plan.admit:
+            self.order.started(seq)
         return plan
 
     def _admit(self, plan: Admission, pending: list[Seq], room: int) -> None:
