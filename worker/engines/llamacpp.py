@@ -195,7 +195,6 @@ class LlamaCppRunner(ModelRunner):
             have = min(have, len(fed) - 1)  # the last token is fed: its logits are the next's
         if have and src != sid:
             self.llm.copy(src, sid)
-            self.kept[sid] = self.kept[src]
         self.llm.clear(sid, have)
         self.kept.pop(sid, None)
         return sid, have
