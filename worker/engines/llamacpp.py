@@ -8,7 +8,7 @@ llama.cpp's: each step is one `llama_decode` of a batch holding every running ro
 and the admitted jobs' prompts, each row a sequence of llama.cpp's KV cache (GENQ_KV_CACHE_GIB).
 GENQ_LLAMACPP_KV=shared: one pool of cells the sequences share (a job waits while its prompt and
 max_new_tokens would take the rows past it); split: a stream per sequence (a job's context is
-its stream; faster decode), whose tokens stay when its job leaves, for a later job that begins
+its stream), whose tokens stay when its job leaves, for a later job that begins
 with them (llama-server's slot reuse). Why an engine over llama.cpp and not quantized PyTorch
 layers: docs/design.md, "Quantized models: the llamacpp engine".
 
