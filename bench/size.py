@@ -1,15 +1,16 @@
 """`python -m bench.size`: a real quantized model as CPU users serve it, genqueue against
 llama.cpp's own server, on the same GGUF file, in one run.
 
-Systems (--systems): `genqueue` (API + one llamacpp worker: worker/engines/llamacpp.py),
+Systems (--systems): `genqueue` (API + one llamacpp worker: worker/engines/llamacpp.py;
+`genqueue-split` with GENQ_LLAMACPP_KV=split, a KV stream per job as llama-server's slots),
 `llama.cpp` (llama-server from the same build, continuous batching over --levels' largest
 number of slots, `--jinja`), `genqueue-hf` (the hf engine on the file's float32 conversion,
 as genqueue served a GGUF before the llamacpp engine), `vllm` (vLLM's OpenAI server on the
 float32 conversion, from .venv-vllm; only when asked). Load: closed-loop clients sending chat
 completions (64 tokens, EOS ignored, greedy) for --duration s per level; throughput in
 requests/s and output tokens/s, latency percentiles, time to the first token of a streamed
-answer (one client, idle server), and the server's resident memory (its process tree, after
-the largest level). Writes docs/benchmarks-size.md.
+answer (one client, idle server; the same question again, and a new one), and the server's
+resident memory (its process tree, after the largest level). Writes docs/benchmarks-size.md.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from worker.engines import llamacpp_lib
 
 MARKER = marker("bench.size")
 INTRO = intro("Benchmarks: real quantized models, genqueue and llama.cpp", "bench.size")
-SYSTEMS = ("genqueue", "llama.cpp", "genqueue-hf", "vllm")
+SYSTEMS = ("genqueue", "genqueue-split", "llama.cpp", "genqueue-hf", "vllm")
+QUESTIONS = ("the sea", "the moon", "trains", "bread", "rain", "chess", "a forest")
 MAX_TOKENS = 64
 CONTEXT_PER_SLOT = 1024  # llama-server's -c is this times its slots
 
@@ -53,14 +55,17 @@ def rss_gib(pid: int | None) -> float:
     return sum(p.memory_info().rss for p in tree(pid)) / (1 << 30) if pid else 0.0
 
 
-def first_token_s(port: int, model: str, n: int = 5) -> float:
-    """Median seconds to the first content of a streamed chat answer, one request at a time."""
-    body = json.dumps(
-        {"model": model, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 8}
-        | {"stream": True, "temperature": 0}
-    )
+def first_token_s(port: int, model: str, n: int = 5, new: bool = False) -> float:
+    """Median seconds to the first content of a streamed chat answer, one request at a time:
+    the same question each time (a server that keeps prompts computes one token), or (`new`)
+    another each time (only the chat template's system prompt is the same)."""
     got = []
-    for _ in range(n):
+    for i in range(n):
+        ask = f"Tell me about {QUESTIONS[i % len(QUESTIONS)] if new else 'the sea'}."
+        body = json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": ask}], "max_tokens": 8}
+            | {"stream": True, "temperature": 0}
+        )
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         began = time.perf_counter()
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -115,10 +120,11 @@ def measure(args, procs, res: dict, outdir: Path) -> None:
     res["systems"] = {}
     for system in names(args.ap, args.systems, SYSTEMS, "--systems"):
         log(f"-- {system}")
-        if system in ("genqueue", "genqueue-hf"):
-            engine = "llamacpp" if system == "genqueue" else "hf"
+        if system.startswith("genqueue"):
+            engine = "hf" if system == "genqueue-hf" else "llamacpp"
             model = gguf if engine == "llamacpp" else _converted(gguf)
-            s = Stack(procs, redis.url, model, engine, system.replace(".", ""), batch=slots)
+            kv = {"GENQ_LLAMACPP_KV": "split"} if system == "genqueue-split" else {}
+            s = Stack(procs, redis.url, model, engine, system.replace(".", ""), batch=slots, **kv)
             s.start_worker()
             s.start_api(1, what=f"the {engine} worker")
             name, port, pid, others = s.name, s.port, s.worker.popen.pid, [s.api.popen.pid]
@@ -129,7 +135,8 @@ def measure(args, procs, res: dict, outdir: Path) -> None:
             name = "vllm"
             proc, port = vllm_server(procs, _converted(gguf), name, slots)
             pid, others, s = proc.popen.pid, [], proc
-        ttft = first_token_s(port, name)
+        first_token_s(port, name, 1, new=True)  # a first request, to warm up
+        ttft, ttft_new = first_token_s(port, name), first_token_s(port, name, new=True)
         rows = measure_levels(
             system,
             port,
@@ -141,8 +148,8 @@ def measure(args, procs, res: dict, outdir: Path) -> None:
             bodies=chat_bodies(name, MAX_TOKENS),
             expect=b'"choices"',
         )
-        res["systems"][system] = {"levels": rows, "ttft_s": ttft, "rss_gib": rss_gib(pid)}
-        log(f"{system}: TTFT {ttft:.3f} s, resident {res['systems'][system]['rss_gib']:.2f} GiB")
+        res["systems"][system] = {"levels": rows, "ttft_s": ttft, "ttft_new_s": ttft_new, "rss_gib": rss_gib(pid)}
+        log(f"{system}: TTFT {ttft:.3f} s ({ttft_new:.3f} s new), resident {res['systems'][system]['rss_gib']:.2f} GiB")
         if isinstance(s, Stack):
             s.stop()
         else:
@@ -171,15 +178,23 @@ def render(res: dict) -> str:
         row = [str(level)] + [fmt(v["levels"][i]["rate"] * MAX_TOKENS, 1) for v in systems.values()]
         rows.append(row)
     out += ["## Output tokens/s", "", table(head, rows), ""]
-    if "genqueue" in systems and "llama.cpp" in systems:
-        ratio = [["genqueue / llama.cpp"]]
-        for i in range(len(levels)):
-            a, b = systems["genqueue"]["levels"][i]["rate"], systems["llama.cpp"]["levels"][i]["rate"]
-            ratio[0].append(fmt(a / b if b else float("nan"), 2) + "x")
-        out += [table(["ratio"] + [str(lv) for lv in levels], ratio), ""]
-    head = ["system", "TTFT (1 client)", "p50 latency at each level", "resident memory"]
+    ratios = []
+    for ours in ("genqueue", "genqueue-split"):
+        if ours in systems and "llama.cpp" in systems:
+            ratios.append([f"{ours} / llama.cpp"])
+            for i in range(len(levels)):
+                a, b = systems[ours]["levels"][i]["rate"], systems["llama.cpp"]["levels"][i]["rate"]
+                ratios[-1].append(fmt(a / b if b else float("nan"), 2) + "x")
+    if ratios:
+        out += [table(["ratio"] + [str(lv) for lv in levels], ratios), ""]
+    head = ["system", "TTFT (1 client: same question, new question)", "p50 latency at each level", "resident memory"]
     rows = [
-        [s, f"{v['ttft_s']:.3f} s", ", ".join(f"{r['p50']:.2f} s" for r in v["levels"]), f"{v['rss_gib']:.2f} GiB"]
+        [
+            s,
+            f"{v['ttft_s']:.3f} s, " + (f"{v['ttft_new_s']:.3f} s" if "ttft_new_s" in v else "?"),
+            ", ".join(f"{r['p50']:.2f} s" for r in v["levels"]),
+            f"{v['rss_gib']:.2f} GiB",
+        ]
         for s, v in systems.items()
     ]
     out += ["## Latency and memory", "", table(head, rows), ""]
@@ -189,7 +204,9 @@ def render(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = parser("bench.size", __doc__, levels="1,8,32", out="benchmarks-size.md", render=True, model=False)
     ap.add_argument("--gguf", choices=tuple(ggufmodels.MODELS), default="qwen05", help="the GGUF file")
-    ap.add_argument("--systems", default="genqueue,llama.cpp,genqueue-hf", help=f"among {', '.join(SYSTEMS)}")
+    ap.add_argument(
+        "--systems", default="genqueue,genqueue-split,llama.cpp,genqueue-hf", help=f"among {', '.join(SYSTEMS)}"
+    )
     args = ap.parse_args(argv)
     args.ap = ap
 

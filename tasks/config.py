@@ -146,6 +146,12 @@ class EngineSettings(_Env):
         "take the batch past it (its prompt and max_new_tokens counted) waits for rows to leave; "
         "default: a quarter of the machine's (the GPU's) memory",
     )
+    llamacpp_kv: Literal["shared", "split"] = Field(
+        "shared",
+        description="llamacpp engine: one KV cache the running jobs share (a job may use all of it), or "
+        "split: a stream each of GENQ_KV_CACHE_GIB / GENQ_MAX_BATCH_SIZE (a job's context is at most "
+        "that, as llama-server's slots; decode may be faster, and prompts are kept for later jobs)",
+    )
     prefix_block_tokens: int = Field(
         16, ge=1, le=1024, description="hf engine: the prefix cache's block; prefixes are reused in whole blocks"
     )

@@ -24,12 +24,19 @@ from webapp.parsers import (
     tool_parser,
 )
 
+W = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 VLLM_ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
 NESTED = {"filter": {"tags": ["a", "b"], "range": {"min": -1.5, "max": None}}, "ok": True}
 
 
+def make(parser: str):
+    """A tool parser by its name; `hermes:a,b` is hermes given the request's tools a and b."""
+    name, _, names = parser.partition(":")
+    return tool_parser(name, tuple(filter(None, names.split(","))))
+
+
 def calls(parser, text):
-    content, found = tool_parser(parser).extract(text)
+    content, found = make(parser).extract(text)
     return content, [(c.name, json.loads(c.arguments)) for c in found]
 
 
@@ -80,6 +87,73 @@ CASES = [
     ),
     ("hermes", "a <tool_ call> b <tool_call", "a <tool_ call> b <tool_call", []),  # no marker
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>', None, [("f", {"a": 2})]),  # quoted
+    # hermes given the request's tools: bare or fenced JSON calls of them (Qwen2.5-Coder's)
+    ("hermes:get_weather", W, None, [("get_weather", {"city": "Paris"})]),
+    ("hermes:get_weather,f", "\n " + W + "\n", None, [("get_weather", {"city": "Paris"})]),
+    ("hermes:get_weather", "```json\n" + W + "\n```", None, [("get_weather", {"city": "Paris"})]),
+    ("hermes:get_weather", "```json\n" + W, None, [("get_weather", {"city": "Paris"})]),  # fence unclosed
+    ("hermes:get_weather", "```\n" + W + "\n```\n", None, [("get_weather", {"city": "Paris"})]),
+    (
+        "hermes:get_weather",
+        "Let me check.\n```JSON\n" + W + "\n```",
+        "Let me check.\n",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "hermes:get_weather,f",
+        "```json\n["
+        + W
+        + ', {"name": "f", "parameters": {"x": "ü"}}]\n```\n```json\n{"name": "f", "arguments": {}}\n```',
+        None,
+        [("get_weather", {"city": "Paris"}), ("f", {"x": "ü"}), ("f", {})],
+    ),
+    (
+        "hermes:get_weather,f",
+        W + "\n" + W.replace("Paris", "Rome"),
+        None,
+        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})],
+    ),
+    (
+        "hermes:get_weather",
+        "```python\nx = {1: 2}\n```\n```json\n" + W + "\n```",
+        "```python\nx = {1: 2}\n```\n",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "hermes:get_weather",
+        "<tool_call>" + W + "</tool_call>",
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),  # the markup first
+    ("hermes:other", W, W, []),  # not one of the tools
+    ("hermes", W, W, []),  # no tools given: as vLLM, markup only
+    (
+        "hermes:get_weather",
+        '{"name": "get_weather", "arguments": {"city": "Par',
+        '{"name": "get_weather", "arguments": {"city": "Par',
+        [],
+    ),  # cut short
+    ("hermes:get_weather", '{"name": "get_weather"}', '{"name": "get_weather"}', []),  # no arguments
+    ("hermes:get_weather", W + " Done.", W + " Done.", []),  # text after a bare call
+    (
+        "hermes:get_weather",
+        "```json\n" + W + "\n```\nThat fetches it.",
+        "```json\n" + W + "\n```\nThat fetches it.",
+        [],
+    ),
+    (
+        "hermes:get_weather",
+        'Use: {"name": "get_weather", "arguments": {}}',
+        'Use: {"name": "get_weather", "arguments": {}}',
+        [],
+    ),  # a bare call only opens the output
+    ("hermes:get_weather", '```json\n{"city": "Paris"}\n```', '```json\n{"city": "Paris"}\n```', []),
+    ("hermes:get_weather", "[1, 2]", "[1, 2]", []),
+    ("hermes:get_weather", "```python\nprint('{')\n```", "```python\nprint('{')\n```", []),
+    ("hermes:get_weather", "``` \n", "``` \n", []),
+    ("hermes:get_weather", "```json", "```json", []),
+    ("hermes:get_weather", " \n", " \n", []),
+    ("hermes:get_weather", "It is sunny in Paris.", "It is sunny in Paris.", []),
     # llama3_json
     ("llama3_json", "Paris is the capital of France.", "Paris is the capital of France.", []),
     (
@@ -264,9 +338,9 @@ def assemble(events):
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_tool_stream_equals_extract(case):
     parser, text, content, _ = CASES[case]
-    want_content, want_calls = tool_parser(parser).extract(text)
+    want_content, want_calls = make(parser).extract(text)
     for deltas in splits(text, case):
-        _, got_content, got_calls = assemble(run(tool_parser(parser).stream(), deltas))
+        _, got_content, got_calls = assemble(run(make(parser).stream(), deltas))
         assert got_content == want_content, deltas
         assert got_calls == [(c.name, c.arguments) for c in want_calls], deltas
 
@@ -351,13 +425,14 @@ FRAGMENTS = [
     "<tool_call>", "</tool_call>", "<tool_", "[TOOL_CALLS]", "[TOOL_", "[ARGS]", "<|python_tag|>", "<|py",
     "<think>", "</think>", "</thi", "<th", '{"name": "f", "arguments": {"a": 1}}', '{"name": "g", "parameters": {}}',
     '[{"name": "h", "arguments": {}}]', "[f(a=1)]", "[g(b='é'), h()]", "f", "{}", "{", "}", "[", "]", "; ",
-    " ", "\n", "text", "ü🌍", "<", ">", "/",
+    " ", "\n", "text", "ü🌍", "<", ">", "/", "```", "```json\n", "`", "json", "```\n",
 ]  # fmt: skip
 CALLS = [
     '<tool_call>{"name": "f", "arguments": {"a": [1, "ü"]}}</tool_call>', '<tool_call>\n{"name": "g", "arguments": {}}\n',
     '<|python_tag|>{"name": "f", "parameters": {"q": "x"}}', '{"name": "f", "arguments": {}}; {"name": "g", "parameters": {}}',
     '[TOOL_CALLS][{"name": "f", "arguments": {"b": null}}]', '[TOOL_CALLS]f[ARGS]{"x": "🌍"}[TOOL_CALLS]g{}',
     "[f(a=1, b='ü'), g()]", "[f(x=[1, {'k': None}])]",
+    '```json\n{"name": "g", "arguments": {"a": "ü"}}\n```', '```\n[{"name": "f", "parameters": {}}]', "```python\nf()\n```\n",
 ]  # fmt: skip
 
 
@@ -379,8 +454,8 @@ def test_streams_equal_extract_on_random_outputs(seed):
     for _ in range(25):
         text = random_output(rng)
         for reasoning in (None, "deepseek_r1", "qwen3"):
-            for tools in (None, "hermes", "llama3_json", "mistral", "pythonic"):
-                parser = OutputParser(reasoning and reasoning_parser(reasoning), tools and tool_parser(tools))
+            for tools in (None, "hermes", "hermes:f,g", "llama3_json", "mistral", "pythonic"):
+                parser = OutputParser(reasoning and reasoning_parser(reasoning), tools and make(tools))
                 want = parser.parse(text)
                 want = (want.reasoning, want.content, [(c.name, c.arguments) for c in want.tool_calls])
                 for deltas in [list(text), *list(splits(text, seed))[2:5]]:

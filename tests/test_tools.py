@@ -48,7 +48,8 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+JSON_CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+CALL = f"<tool_call>\n{JSON_CALL}\n</tool_call>"
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +189,8 @@ def test_a_forced_choice_becomes_the_structured_output_and_excludes_the_requests
     so = req.to_jobs().params.structured_outputs
     assert json.loads(so.json_schema)["maxItems"] == 1 and so.disable_any_whitespace
     auto = ChatCompletionRequest.model_validate({**base, "structured_outputs": {"regex": "a"}}).to_jobs()
-    assert auto.tools == ToolUse("auto") and auto.params.structured_outputs.regex == "a"
+    assert auto.tools == ToolUse("auto", names=("get_weather", "get_time"))  # hermes's bare JSON calls are of these
+    assert auto.params.structured_outputs.regex == "a"
     assert ChatCompletionRequest.model_validate({**base, "tool_choice": "none"}).to_jobs().tools is None
     assert auto.chat.tools == TOOLS  # the template gets them, whatever the choice
     for field, value in (
@@ -304,6 +306,17 @@ def test_auto_parses_the_models_call_out_of_the_content(client, tools_stack):
     out = create(client, tools_stack, tools=TOOLS, tool_choice="none", extra_body=forced)
     assert out.choices[0].message.content == f"Let me look.\n{CALL}" and out.choices[0].message.tool_calls is None
     assert out.choices[0].finish_reason == "stop"
+    # The bare or fenced JSON small models write instead of the markup (Qwen2.5-Coder-0.5B), a
+    # call of one of the request's tools: a call, streamed the same; of another name: content.
+    fenced = {"structured_outputs": {"choice": [f"```json\n{JSON_CALL}\n```"]}}
+    out = create(client, tools_stack, tools=TOOLS, extra_body=fenced)
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+    assert without_ids(calls_of(out.choices[0].message)) == without_ids([call])
+    content, calls, finish = assembled(create(client, tools_stack, tools=TOOLS, extra_body=fenced, stream=True))
+    assert (content, without_ids(calls), finish) == (None, without_ids([call]), "tool_calls")
+    other = {"structured_outputs": {"choice": [JSON_CALL.replace("get_weather", "get_news")]}}
+    out = create(client, tools_stack, tools=TOOLS, extra_body=other)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content.startswith('{"name"')
     # Without a call in the output, the answer is plain content.
     out = create(client, tools_stack, tools=TOOLS, extra_body={"structured_outputs": {"choice": ["Sunny."]}})
     assert out.choices[0].message.content == "Sunny." and out.choices[0].finish_reason == "stop"
@@ -360,13 +373,15 @@ def test_a_batch_line_and_the_client_get_the_same_calls(client, tools_stack):
         {**line, **forced},
         {**line, "tool_choice": "required", "parallel_tool_calls": False},
         {**line, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {**line, "structured_outputs": {"choice": [JSON_CALL]}},  # the tools' names go with the line
     ]
     with Client(tools_stack.base) as c:
         rows = c.run_batch(lines, model=tools_stack.name, endpoint="/v1/chat/completions", progress=False)
         direct = c.chat_completion(
             MESSAGES, model=tools_stack.name, **{k: v for k, v in lines[1].items() if k != "messages"}
         )
-    auto, required, bad = (r["response"] for r in rows)
+    auto, required, bad, bare = (r["response"] for r in rows)
+    assert bare["body"]["choices"][0]["message"]["tool_calls"][0]["function"] == choice_function(auto)
     assert auto["status_code"] == 200 and required["status_code"] == 200, rows
     choice = auto["body"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
@@ -381,6 +396,10 @@ def test_a_batch_line_and_the_client_get_the_same_calls(client, tools_stack):
     assert call["function"] == same["function"] and call["id"] != same["id"]
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
     assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "tool_choice.function.name"
+
+
+def choice_function(response: dict) -> dict:
+    return response["body"]["choices"][0]["message"]["tool_calls"][0]["function"]
 
 
 def test_genq_chat_calls_tools(tools_stack, tmp_path, capsys, monkeypatch):

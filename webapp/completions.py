@@ -86,7 +86,9 @@ class Submitted:
             echo=bool(entry.get("echo")),
             api=entry.get("api", "completions"),
             best_of=entry.get("best_of"),
-            tools=ToolUse(**entry["tools"]) if entry.get("tools") else None,
+            tools=ToolUse(**entry["tools"] | {"names": tuple(entry["tools"].get("names", ()))})
+            if entry.get("tools")
+            else None,
             reasoning=ReasoningUse(**entry["reasoning"]) if entry.get("reasoning") else None,
         )
         return cls(jobs, entry["ids"], entry["model"], int(entry["created"]))

@@ -47,10 +47,12 @@ def _unknown(kind: str, name: str, names) -> UnknownParser:
     return UnknownParser(f"unknown {kind} parser {name!r}: the names are {', '.join(sorted(names))}")
 
 
-def tool_parser(name: str) -> ToolParser:
+def tool_parser(name: str, names: tuple[str, ...] | list[str] = ()) -> ToolParser:
+    """`names`: the request's tools' names; hermes then also takes bare or fenced JSON calls of
+    them (HermesParser), the other formats ignore them."""
     if name not in TOOL_PARSERS:
         raise _unknown("tool-call", name, TOOL_PARSERS)
-    return TOOL_PARSERS[name]()
+    return HermesParser(names) if name == "hermes" else TOOL_PARSERS[name]()
 
 
 def reasoning_parser(name: str, enable_thinking: bool = True) -> ThinkParser:

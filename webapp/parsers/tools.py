@@ -38,16 +38,28 @@ class HermesParser(MarkerParser):
     As vLLM: content is the text before the first `<tool_call>` (None if empty); text between
     and after the calls is dropped; a last `<tool_call>` never closed (the output was cut, or
     the model stopped at the tag) is a call if its JSON is whole; one body that does not parse
-    (or lacks `name` or `arguments`) makes the whole output content, calls included."""
+    (or lacks `name` or `arguments`) makes the whole output content, calls included.
+
+    Unlike vLLM, given the request's tool `names` (the API passes them), an output without the
+    markup may also call tools as small models (Qwen2.5-Coder-0.5B/1.5B) often write it: bare
+    JSON (the output is call objects, or a JSON list of them, and whitespace) or fenced JSON
+    (content, then ```json or ``` blocks of the same, and whitespace; the last fence may be
+    unclosed). Each object needs a `name` among `names` and `arguments` (or `parameters`) an
+    object; anything else makes the whole output content, as above. ```python and other
+    fences are content; a stream holds back from a ```json fence (or a leading `{`/`[`) on."""
 
     name = "hermes"
     marker = "<tool_call>"
+    fence = "```"
     _calls = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+    def __init__(self, names: tuple[str, ...] | list[str] = ()):
+        self.names = frozenset(names)
 
     def _extract(self, text):
         first = text.find(self.marker)
         if first < 0:
-            return text or None, []
+            return self._json(text) if self.names else (text or None, [])
         calls = []
         for match in self._calls.finditer(text, first):
             body = match.group(1) if match.group(1) is not None else match.group(2)
@@ -60,6 +72,95 @@ class HermesParser(MarkerParser):
                 return text, []
             calls.append(call)
         return text[:first] or None, calls
+
+    def scan(self, text, sent):
+        at, state = super().scan(text, sent)
+        if not self.names or state == "tools":
+            return at, state
+        start, kind = self._json_start(text)
+        safe = min(at, start)
+        # Whitespace alone before JSON calls is no content (None): hold it until text comes.
+        return (safe if text[:safe].strip() else 0), ("tools" if kind == "call" else "open")
+
+    def _json_start(self, text: str) -> tuple[int, str]:
+        """Where JSON calls may begin and whether they have ("call": from there on, the output
+        is held until its end), or may still ("open": content is safe up to there)."""
+        lead = len(text) - len(text.lstrip())
+        if lead == len(text):
+            return 0, "open"
+        if text[lead] in "{[":
+            return lead, "call"
+        at = 0
+        while (p := text.find(self.fence, at)) >= 0:
+            kind, after = self._fence(text, p)
+            if kind != "code":
+                return p, kind
+            close = text.find(self.fence, after)
+            if close < 0:  # inside a code block: content, bar a fence's or the marker's start
+                return len(text) - tag_overlap(text, self.fence), "open"
+            at = close + len(self.fence)
+        return len(text) - tag_overlap(text, self.fence), "open"
+
+    def _fence(self, text: str, p: int) -> tuple[str, int]:
+        """The fence at `p`: "call" (```json, or ``` and a body that begins with `{` or `[`),
+        "code" (another language or body; its text begins at the second value), or "open"."""
+        eol = text.find("\n", p)
+        if eol < 0:
+            return "open", 0
+        info = text[p + len(self.fence) : eol].strip().lower()
+        if info == "json":
+            return "call", eol + 1
+        if info:
+            return "code", eol + 1
+        body = text[eol + 1 :].lstrip()
+        if not body:
+            return "open", 0
+        return ("call" if body[0] in "{[" else "code"), eol + 1
+
+    def _json(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """Bare or fenced JSON calls (see the class); the whole text as content where not."""
+        start, kind = self._json_start(text)
+        if kind != "call":
+            return text or None, []
+        content = text[:start] if text[:start].strip() else None
+        calls: list[ToolCall] = []
+        at, fenced = start, text.startswith(self.fence, start)
+        while at < len(text):
+            if fenced:
+                if not text.startswith(self.fence, at):
+                    return text, []
+                eol = text.find("\n", at)
+                info = text[at + len(self.fence) : eol].strip().lower() if eol >= 0 else None
+                if info not in ("json", ""):
+                    return text, []
+                close = text.find(self.fence, eol + 1)
+                body, at = (
+                    (text[eol + 1 :], len(text)) if close < 0 else (text[eol + 1 : close], close + len(self.fence))
+                )
+                found = self._objects(body)
+            else:
+                found, at = self._objects(text[at:]), len(text)
+            if not found:
+                return text, []
+            calls += found
+            while at < len(text) and text[at].isspace():
+                at += 1
+        return content, calls
+
+    def _objects(self, body: str) -> list[ToolCall]:
+        """The calls of `body`: objects (or a list of them) and whitespace; [] where not."""
+        calls, at = [], 0
+        while body[at:].strip():
+            try:
+                value, at = raw_decode(body, at)
+            except ValueError:
+                return []
+            for obj in value if isinstance(value, list) else [value]:
+                call = call_of(obj, ("arguments", "parameters"))
+                if call is None or call.name not in self.names:
+                    return []
+                calls.append(call)
+        return calls
 
 
 class Llama3JsonParser(ToolParser):

@@ -246,7 +246,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
                 return None
             raise invalid("tool_choice", "needs tools")
         if choice is None or choice == "auto":
-            return ToolUse("auto")
+            return ToolUse("auto", names=tuple(t.function.name for t in self.tools))
         if choice == "none":
             return None
         if choice == "required":

@@ -144,10 +144,11 @@ class ToolUse:
     mode: Literal["auto", "named", "required"]
     name: str | None = None
     parser: str | None = None
+    names: tuple[str, ...] = ()  # the tools' names (`auto`: hermes takes bare JSON calls of them)
 
     def tool_parser(self) -> ToolParser:
         if self.mode == "auto":
-            return tool_parser(self.parser or "")
+            return tool_parser(self.parser or "", self.names)
         return NamedParser(self.name or "") if self.mode == "named" else RequiredParser()
 
     def finish_reason(self, finish: str, calls: list[ToolCall]) -> str:
@@ -158,7 +159,8 @@ class ToolUse:
         return "stop" if self.mode == "named" else "tool_calls"
 
     def entry(self) -> dict[str, Any]:
-        return {"mode": self.mode, "name": self.name, "parser": self.parser}
+        entry: dict[str, Any] = {"mode": self.mode, "name": self.name, "parser": self.parser}
+        return entry | ({"names": list(self.names)} if self.names else {})
 
 
 class _ForcedParser(ToolParser):

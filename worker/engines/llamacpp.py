@@ -5,20 +5,22 @@ processing and sampling are kept whole (it is an `HFEngine` with another runner)
 leave a running batch between steps, with the same admission, preemption, deadlines, stop
 strings, logprobs, penalties, structured output and seeded sampling. Only the forward is
 llama.cpp's: each step is one `llama_decode` of a batch holding every running row's next token
-and the admitted jobs' prompts, each row a sequence of llama.cpp's KV cache (one cache of cells
-the sequences share, sized by GENQ_KV_CACHE_GIB; a job waits while its prompt and
-max_new_tokens would take the rows past it). Why an engine over llama.cpp and not quantized
-PyTorch layers: docs/design.md, "Quantized models: the llamacpp engine".
+and the admitted jobs' prompts, each row a sequence of llama.cpp's KV cache (GENQ_KV_CACHE_GIB).
+GENQ_LLAMACPP_KV=shared: one pool of cells the sequences share (a job waits while its prompt and
+max_new_tokens would take the rows past it); split: a stream per sequence (a job's context is
+its stream), whose tokens stay when its job leaves, for a later job that begins
+with them (llama-server's slot reuse). Why an engine over llama.cpp and not quantized PyTorch
+layers: docs/design.md, "Quantized models: the llamacpp engine".
 
 Tokens are the GGUF's own vocabulary through the transformers tokenizer read from the same file
 (worker/gguf.py `tokenizer_of`), so chat templates, tool calls and detokenising are the other
-engines'. No prefix cache across jobs (llama.cpp keeps a sequence's cache only while it runs).
-The library is the build scripts/llamacpp.py makes (worker/engines/llamacpp_lib.py).
+engines'. The library is the build scripts/llamacpp.py makes (worker/engines/llamacpp_lib.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import heapq
 import logging
 import os
 import threading
@@ -64,9 +66,10 @@ def load_library():
 
 
 class LlamaCpp:
-    """One loaded GGUF model and its context (the KV cache of `seqs` sequences over `cells`)."""
+    """One loaded GGUF model and its context: the KV cache of `seqs` sequences over `cells`,
+    shared by them (`split` False: llama.cpp's unified cache), or a stream of `row_cells` each."""
 
-    def __init__(self, path: str, seqs: int, kv_bytes: int, threads: int):
+    def __init__(self, path: str, seqs: int, kv_bytes: int, threads: int, split: bool = False):
         self.ll = ll = load_library()
         ll.llama_backend_init()
         ll.llama_log_set(_quiet, ctypes.c_void_p(0))
@@ -80,25 +83,35 @@ class LlamaCpp:
         per_token = ll.llama_model_n_layer(self.model) * 2 * ll.llama_model_n_head_kv(self.model)
         per_token *= (n_embd // max(n_head, 1)) * 2  # keys and values, float16
         cells = max(256, min(kv_bytes // max(per_token, 1), self.n_ctx_train * seqs) // 256 * 256)
+        if split:  # llama.cpp pads each stream to 256 cells: round down so the budget holds
+            cells = max(256, min(cells // seqs, self.n_ctx_train) // 256 * 256) * seqs
         cp = ll.llama_context_default_params()
         cp.n_ctx = cells
         cp.n_batch = min(BATCH, cells)
         cp.n_ubatch = min(UBATCH, cells)
         cp.n_seq_max = seqs
         cp.n_threads = cp.n_threads_batch = threads
-        cp.kv_unified = True
+        cp.kv_unified = not split
         cp.no_perf = True
         self.ctx = ll.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise GenerationError("no_engine", f"llama.cpp could not make a context of {cells} cells for {path}")
         self.cells = ll.llama_n_ctx(self.ctx)
+        self.split = split
+        self.row_cells = ll.llama_n_ctx_seq(self.ctx) if split else self.cells
         self.kv_bytes = self.cells * per_token
         self.memory = ll.llama_get_memory(self.ctx)
         self.n_batch = min(BATCH, self.cells)
         self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
 
-    def clear(self, seq: int) -> None:
-        self.ll.llama_memory_seq_rm(self.memory, seq, -1, -1)
+    def copy(self, src: int, dst: int) -> None:
+        """Sequence `dst` becomes a copy of `src` (its cells; `dst`'s own are dropped)."""
+        self.ll.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+
+    def clear(self, seq: int, keep: int = 0) -> None:
+        """Forget the sequence's cells from position `keep` on (0: all of them)."""
+        if not self.ll.llama_memory_seq_rm(self.memory, seq, keep if keep else -1, -1):
+            raise GenerationError("engine_error", f"llama.cpp could not drop sequence {seq}'s cells from {keep}")
 
     def decode(self, tokens: list[int], positions: list[int], seqs: list[int], logits: list[bool]) -> np.ndarray:
         """These tokens through the model (in llama_decode calls of at most n_batch tokens); the
@@ -146,10 +159,15 @@ def _quiet(level, text, user_data):
 
 class LlamaCppRunner(ModelRunner):
     """The hf runner's step over llama.cpp: row i of the batch is llama.cpp sequence `sids[i]`,
-    holding `pos[i]` tokens; the sampling, processors and logprobs are the base class's."""
+    holding `pos[i]` tokens (`toks[i]`); the sampling, processors and logprobs are the base
+    class's. With a KV stream per sequence (`reuse`), a sequence whose job left keeps its
+    tokens' keys/values (`kept`), and a job admitted later starts from the free stream that
+    holds the longest prefix of its prompt and feeds the rest only (llama-server's slot reuse).
+    A job takes the lowest free sequence: one llama_decode computes rows of consecutive ids
+    together (llama.cpp's `split_equal` over split streams), so the ids in use have few gaps."""
 
-    def __init__(self, llm: LlamaCpp, seqs: int, eos: int | None, tok):
-        self.llm, self.eos, self.tok = llm, eos, tok
+    def __init__(self, llm: LlamaCpp, seqs: int, eos: int | None, tok, reuse: bool = False):
+        self.llm, self.eos, self.tok, self.reuse = llm, eos, tok, reuse
         self.device = torch.device("cpu")
         self.prefix = self.scratch = None
         self.chunk_s, self.block = 0.0, 0
@@ -158,7 +176,28 @@ class LlamaCppRunner(ModelRunner):
         self.procs = None
         self.sids: list[int] = []
         self.pos: list[int] = []
-        self.free = list(range(seqs - 1, -1, -1))
+        self.toks: list[list[int]] = []
+        self.free = list(range(seqs))  # a heap: the lowest is taken first
+        self.kept: dict[int, list[int]] = {}  # a free sequence's tokens still in its stream
+        self.hits = 0  # prompt tokens taken from kept streams
+
+    def _take(self, seq: Seq, fed: list[int]) -> tuple[int, int]:
+        """The lowest free sequence for `seq`, and how many of `fed`'s first tokens it holds:
+        those of the free stream that holds the longest prefix of them, copied in where it is
+        another (llama.cpp copies a whole stream's buffer, a few MiB, at the next decode)."""
+        sid = heapq.heappop(self.free)
+        src, have = sid, 0
+        if self.reuse and not self._wants_prompt_logprobs(seq):
+            for other in (sid, *self.free):
+                n = _common(self.kept.get(other, ()), fed)
+                if n > have:
+                    src, have = other, n
+            have = min(have, len(fed) - 1)  # the last token is fed: its logits are the next's
+        if have and src != sid:
+            self.llm.copy(src, sid)
+        self.llm.clear(sid, have)
+        self.kept.pop(sid, None)
+        return sid, have
 
     def step(self, running: list[Seq], admit: list[Seq], partial: list[Seq] = ()):
         if not (running or admit):
@@ -167,18 +206,20 @@ class LlamaCppRunner(ModelRunner):
         tokens = self.next[:active, 0].tolist() if active else []
         positions, seqs, flags = self.pos[:active], self.sids[:active], [True] * active
         fed = [s.fed for s in admit]
-        new = []
+        new, skip = [], []
         last, spans = [], {}
         out = active
         for r, (seq, f) in enumerate(zip(admit, fed)):
-            sid = self.free.pop()
-            self.llm.clear(sid)
+            sid, have = self._take(seq, f)
             new.append(sid)
+            skip.append(have)
+            if not seq.looked:  # its first prefill: usage's cached_tokens
+                seq.looked, seq.cached = True, have
             every = self._wants_prompt_logprobs(seq)
-            tokens += f
-            positions += range(len(f))
-            seqs += [sid] * len(f)
-            flags += [every] * (len(f) - 1) + [True]
+            tokens += f[have:]
+            positions += range(have, len(f))
+            seqs += [sid] * (len(f) - have)
+            flags += [every] * (len(f) - have - 1) + [True]
             if every:
                 spans[r] = out
                 out += len(f)
@@ -190,18 +231,21 @@ class LlamaCppRunner(ModelRunner):
         except BaseException:
             for sid in new:
                 self.llm.clear(sid)
-                self.free.append(sid)
+                heapq.heappush(self.free, sid)
             raise
+        self.hits += sum(skip)
         for i in range(active):
             self.pos[i] += 1
+            self.toks[i].append(tokens[i])
         self.sids += new
         self.pos += [len(f) for f in fed]
+        self.toks += [list(f) for f in fed]
         decoded = self._decoded(running, logits[:active], before) if active else ([], {})
         joined = self._joined(admit, fed, logits, last, spans, before) if admit else ([], {})
         return decoded, joined
 
     def remember(self, row: int, seq: Seq) -> None:
-        """No prefix cache: a row's keys/values go with it."""
+        """No prefix cache beyond the streams' (`kept`)."""
 
     def cached(self, seq: Seq) -> int:
         return 0
@@ -213,17 +257,37 @@ class LlamaCppRunner(ModelRunner):
         kept = set(order)
         for row, sid in enumerate(self.sids):
             if row not in kept:
-                self.llm.clear(sid)
-                self.free.append(sid)
+                if self.reuse:
+                    self.kept[sid] = self.toks[row]
+                else:
+                    self.llm.clear(sid)
+                heapq.heappush(self.free, sid)
         self.sids = [self.sids[i] for i in order]
         self.pos = [self.pos[i] for i in order]
+        self.toks = [self.toks[i] for i in order]
         super().move(order)
 
     def swap(self, a: list[int], b: list[int]) -> None:
         for x, y in zip(a, b, strict=True):
             self.sids[x], self.sids[y] = self.sids[y], self.sids[x]
             self.pos[x], self.pos[y] = self.pos[y], self.pos[x]
+            self.toks[x], self.toks[y] = self.toks[y], self.toks[x]
         super().swap(a, b)
+
+
+def _common(a, b) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class LlamaCppEngine(HFEngine):
@@ -241,6 +305,7 @@ class LlamaCppEngine(HFEngine):
         self.path = str(os.path.abspath(os.path.expanduser(settings.model)))
         self.tok = AutoTokenizer.from_pretrained(gguf.tokenizer_of(self.path, settings.gguf_cache))
         self.threads = settings.torch_threads or os.cpu_count() or 1
+        self.split = settings.llamacpp_kv == "split"
         # Sampling runs in torch on this process's other thread pool; one thread keeps it off
         # llama.cpp's cores (whose threads spin between a step's operations).
         torch.set_num_threads(1)
@@ -266,18 +331,21 @@ class LlamaCppEngine(HFEngine):
     def _start(self, rows: int, kv_bytes: int) -> bool:
         """Load the model and make its context on the thread that runs every decode."""
         try:
-            self.llm = LlamaCpp(self.path, rows, kv_bytes, self.threads)
-            self.max_model_len = min(self.llm.n_ctx_train, self.llm.cells)
-            self.scheduler.kv_cells = self.llm.cells
-            self.runner = LlamaCppRunner(self.llm, rows, None, self.tok)
+            self.llm = LlamaCpp(self.path, rows, kv_bytes, self.threads, self.split)
+            # A job's context: the model's, and its stream (split) or the whole cache (shared),
+            # which the running rows share: then a job waits while they would overfill it.
+            self.max_model_len = min(self.llm.n_ctx_train, self.llm.row_cells)
+            self.scheduler.kv_cells = 0 if self.split else self.llm.cells
+            self.runner = LlamaCppRunner(self.llm, rows, None, self.tok, reuse=self.split)
             self.scheduler.rows.follow(self.runner)
             self.output = OutputProcessor(self.tok, None, self.model, self.max_model_len)
             self.eos = self.tok.eos_token_id  # the runner's and the output's
             log.info(
-                "llama.cpp: %s, KV cache of %d tokens (%.2f GiB) shared by up to %d jobs, %d threads",
+                "llama.cpp: %s, KV cache of %d tokens (%.2f GiB) %s %d jobs, %d threads",
                 os.path.basename(self.path),
                 self.llm.cells,
                 self.llm.kv_bytes / (1 << 30),
+                f"in streams of {self.llm.row_cells} for up to" if self.split else "shared by up to",
                 rows,
                 self.threads,
             )
