@@ -154,7 +154,8 @@ def render(res: dict) -> str:
         per = {k: best["cpu"].get(k, 0.0) / best["rate"] * 1000 if best["rate"] else float("nan") for k in PARTS}
         at = f"{best['workers']} workers, {best['api_workers']} API processes, {best['rate']:.0f} jobs/s"
         L += ["", f"## Projection from the best point ({at})"]
-        cap = 1000 / per["redis"]
+        # A short run on a loaded machine can read no Redis CPU at all (psutil's resolution).
+        cap = 1000 / per["redis"] if per["redis"] > 0 else float("inf")
         L.append("")
         L.append(
             f"CPU per job: API {per['api']:.2f} ms, workers {per['workers']:.2f} ms, Redis {per['redis']:.2f} ms "
