@@ -285,7 +285,9 @@ def test_an_expired_batch_writes_what_did_not_run_as_batch_expired(bstack, r):
 
 def test_interactive_jobs_overtake_waiting_batch_lines(bstack, r):
     client = oai(bstack)
-    body = {"model": bstack.name, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    # Lines long enough that the worker's 16 rows cannot keep up with the driver: 16-token
+    # lines on a quiet machine ran as fast as they were fed, and none waited on the queue.
+    body = {"model": bstack.name, "max_tokens": 128, "temperature": 0, "ignore_eos": True}
     _, batch = run_batch(bstack, [line(i, {**body, "prompt": prompt(i)}) for i in range(120)])
     queued_key = f"genq:queued:genq.{bstack.name}"
     deadline = time.monotonic() + 120
