@@ -316,16 +316,18 @@ def _flood_stack(make_stack, tmp_path, calm_weight: int = 1, **env: str):
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
 def test_a_calm_keys_jobs_start_at_the_next_free_rows_not_after_the_flood_handed_out(make_stack, tmp_path, model):
     """One worker of 2 rows and 2 reserved slots (the tiny model, and the real default model);
-    a flood of 64-token jobs, then a calm key's 8-token jobs one after another, and a flood job
+    a flood of long jobs, then a calm key's 8-token jobs one after another, and a flood job
     of a higher priority. What may start ahead of a calm job: the one message on the list, the
     worker's two reserved jobs (they were there before it) and the rows' own race. First in,
     first out (GENQ_FAIR_DEPTH 4 and turns by job count, as before) let 4-7 go ahead of each."""
     env = {"GENQ_MODEL": str(realmodel.ensure())} if model == "smollm2" else {}  # the real default model
     s, _ = _flood_stack(make_stack, tmp_path, **env)
-    n, tokens = (16, 48) if model == "smollm2" else (30, 64)
+    # Flood jobs long enough to outlast the calm ones on a quiet machine (64 tokens of the tiny
+    # model took 0.06 s: the flood was over before the calm key came).
+    n, tokens = (16, 96) if model == "smollm2" else (30, 400)
     with ThreadPoolExecutor(8) as pool:
         flood = list(pool.map(lambda _: _post(s, FLOOD_KEY, tokens), range(n)))
-    time.sleep(1.0)  # the flood is under way
+    time.sleep(0.2)  # the flood is under way
     calm = []
     for _ in range(4):
         calm.append(_post(s, CALM_KEY, 8))
