@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -144,7 +145,13 @@ def test_api_key_cancel_and_wait_timeout(idle_stack, monkeypatch):
 
 class DropProxy:
     """A TCP proxy in front of the API that can drop every open connection, as a network or a
-    load balancer would; it keeps what clients sent, to see their Last-Event-ID."""
+    load balancer would; it keeps what clients sent, to see their Last-Event-ID. What the API
+    sends goes on in small, paced pieces, as over a slow link: a stream whose job is already
+    over would otherwise reach the client's buffer whole before a drop (seen in CI: the second
+    drop came after the last byte, no reconnect)."""
+
+    piece = 256  # bytes, every `pace` seconds downstream
+    pace = 0.005
 
     def __init__(self, port: int):
         self.upstream = port
@@ -169,10 +176,12 @@ class DropProxy:
 
     def _pipe(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
         try:
-            while data := src.recv(65536):
+            while data := src.recv(65536 if record else self.piece):
                 if record:
                     with self.lock:
                         self.sent += data
+                else:
+                    time.sleep(self.pace)
                 dst.sendall(data)
         except OSError:
             pass
