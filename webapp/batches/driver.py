@@ -109,7 +109,11 @@ class BatchDriver:
         it (it then preempts a line: worker/engines/hf.py): per worker its capacity, plus half
         its reserve (GENQ_RESERVED_SLOTS, the threads it runs beyond its capacity) as lines
         waiting on the worker to step in at once. Only models some live worker keeps a reserve
-        for: the others have no limit but each batch's window."""
+        for: the others have no limit but each batch's window. No batch, no look at the
+        workers: an idle API's every tick read them (a Lua call of 5 commands, 5 times a second
+        per API process, docs/benchmarks.md "Redis commands per job")."""
+        if not active:
+            return {}
         workers = self.service.registry.live()
         room: dict[str, int] = {}
         for model in {w.model for w in workers if w.reserved}:
