@@ -32,6 +32,10 @@ ACTIVE = (JobStatus.queued, JobStatus.running)
 RESULT_RAW = "\0result-raw"
 Raw = str | bytes
 MAX_BLOCK_S = 3.0
+# A waiter reads the record after every this many blocks that ran out (JobStore.wait).
+LOOK_EVERY = 2
+# What `JobStore.get` answers for a block that ran out when it was not to read the record.
+PENDING: dict[str, str] = {}
 
 # A worker takes the jobs it ended off its in-flight hash (`JobStore.forget_ended`) once this
 # many have ended, or on its next heartbeat: one HDEL for many jobs, and a hash that stays
@@ -113,7 +117,7 @@ class JobStore:
         return self.r.zcard(keys.queued(queue))
 
     def get(
-        self, job_id: str, result_key: str | bytes | None = None, block_ms: int | None = None
+        self, job_id: str, result_key: str | bytes | None = None, block_ms: int | None = None, look: bool = True
     ) -> dict[str, str] | None:
         """The job's record. With `result_key`, its result (the result backend's encoded meta)
         comes with it, under RESULT_RAW (None if there is none): from the job's done stream,
@@ -124,7 +128,7 @@ class JobStore:
         `block_ms`: first wait up to that long for the job's done stream. Its entry holds the
         final record (all but the spec) and the result: one command answers a waiter. An
         entry without the record (a job failed at its start, out of attempts) or no entry
-        (the block ran out) and the record is read."""
+        (the block ran out) and the record is read; not with `look` False: then PENDING."""
         if block_ms is not None:
             reply = self.blocking.xread({keys.done(job_id): "0"}, block=block_ms, count=1)
             if reply and "id" in (fields := reply[0][1][-1][1]):
@@ -133,8 +137,15 @@ class JobStore:
                 if result_key is not None:
                     rec[RESULT_RAW] = raw
                 return rec
+            if not reply and not look:
+                return PENDING
         if result_key is None:
             return self.r.hgetall(keys.job(job_id)) or None
+        if block_ms is not None and not reply:
+            # The block ran out: most likely the job still runs, and then its record is all.
+            rec = self.r.hgetall(keys.job(job_id))
+            if not rec or rec.get("status") != JobStatus.succeeded.value:
+                return rec or None
         pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(keys.job(job_id))
         pipe.xrevrange(keys.done(job_id), count=1)
@@ -226,6 +237,8 @@ class JobStore:
         moved, prev, number, forgiven = self._move(
             job_id, JobStatus.running, ACTIVE, worker=worker, tag=tag, _fill=fill, started=repr(time.time())
         )
+        if moved == 1 and number > 1:
+            self.r.incr(keys.CANCELS)  # an earlier attempt may still run somewhere: it is superseded
         return Attempt(
             run=moved == 1, prev=prev, number=number, exhausted=moved == 2, solo=forgiven >= SOLO_AFTER_FORGIVEN
         )
@@ -307,7 +320,10 @@ class JobStore:
         return moved
 
     def cancel(self, job_id: str) -> tuple[bool, JobStatus | None]:
-        return self.finish(job_id, JobStatus.cancelled, CANCELLED)
+        moved, prev = self.finish(job_id, JobStatus.cancelled, CANCELLED)
+        if moved:
+            self.r.incr(keys.CANCELS)  # the worker running it looks (worker/cancels.py)
+        return moved, prev
 
     def wait(
         self, job_id: str, timeout: float, exists: bool = False, result_key: str | bytes | None = None
@@ -324,13 +340,20 @@ class JobStore:
             rec = rec and self.expire_if_due(rec)
             if rec is None or JobStatus(rec["status"]).terminal:
                 return rec
+        empty = 0
         while True:
             left = deadline - time.monotonic()
             if left > 0:
                 # An entry in the done stream means the record is final. Each block stays
-                # below the client's socket timeout (redis-py's default is 5 s).
+                # below the client's socket timeout (redis-py's default is 5 s). After a block
+                # that ran out, the record is read only every LOOK_EVERY-th time (it may be
+                # gone, or queued past its deadline): a long job's waiter costs Redis one
+                # command per block, not three (docs/benchmarks.md, "Redis commands per job").
                 block_ms = max(1, int(min(left, MAX_BLOCK_S) * 1000))
-                rec = self.get(job_id, result_key, block_ms)
+                empty += 1
+                rec = self.get(job_id, result_key, block_ms, look=empty % LOOK_EVERY == 0)
+                if rec is PENDING:
+                    continue
             else:
                 rec = self.get(job_id, result_key)
             rec = rec and self.expire_if_due(rec)

@@ -73,6 +73,10 @@ def placed(queue: str, digest: str) -> str:
     return f"{PREFIX}:placed:{queue}:{digest}"
 
 
+# A counter that every cancel and every job's second or later start adds to: a worker's cancel
+# watch reads the records of the jobs it runs only when it moved (worker/cancels.py).
+CANCELS = f"{PREFIX}:cancels"
+
 WORKERS = f"{PREFIX}:workers"
 WORKERS_SEEN = f"{PREFIX}:workers:seen"
 # The last Redis outage a worker's heartbeat lived through (tasks/registry.py): start, end.

@@ -12,6 +12,7 @@ import uuid
 import pytest
 import redis
 
+from tasks import keys
 from tasks.jobs import JobStore
 from tests.helpers import queued_job
 from worker.cancels import CancelWatch
@@ -87,3 +88,56 @@ def test_the_watch_outlives_a_redis_it_cannot_reach():
     finally:
         watch.stop()
     assert not watch._thread.is_alive()
+
+
+def test_a_look_reads_records_only_when_the_counter_moved(store):
+    """Each look reads the counter; the records only of jobs it has not seen since the last
+    cancel or restart: a worker running long jobs no longer reads every record twice a second."""
+    engine = Engine()
+    watch = CancelWatch(store, engine, interval=60, full_every=3600)
+    jobs = [_running(store) for _ in range(3)]
+    for job in jobs:
+        watch.watch(job, 1)  # no mark: read at the first look
+    assert watch.look() == [] and watch.reads == 3
+    for _ in range(3):
+        assert watch.look() == [] and watch.reads == 3  # nothing moved: the counter alone
+    # A job started after that look, marked before its start: not read while nothing moves.
+    since = watch.mark()
+    late = _running(store)
+    watch.watch(late, 1, since)
+    assert watch.look() == [] and watch.reads == 3
+    store.cancel(jobs[0])
+    assert watch.look() == [jobs[0]] and engine.cancelled == [jobs[0]] and watch.reads == 7
+    assert watch.look() == [] and watch.reads == 7
+    # Given up for dead, started again elsewhere: the start moves the counter too.
+    assert store.start(jobs[1], f"w-{uuid.uuid4().hex[:8]}", "tag-2").number == 2
+    assert watch.look() == [jobs[1]] and watch.reads == 10
+
+
+def test_a_cancel_between_the_start_and_the_watch_is_not_missed(store):
+    engine = Engine()
+    watch = CancelWatch(store, engine, interval=60, full_every=3600)
+    other = _running(store)
+    watch.watch(other, 1)
+    watch.look()  # the counter is known
+    since = watch.mark()
+    job = _running(store)  # started ...
+    store.cancel(job)  # ... cancelled at once ...
+    watch.look()  # ... a look in between, before this job is watched ...
+    watch.watch(job, 1, since)  # ... with the counter taken before its start
+    assert watch.look() == [job] and engine.cancelled == [job]
+
+
+def test_a_gone_record_is_found_by_the_periodic_full_look(store):
+    """A record that expires or is deleted moves no counter: every `full_every` each job's is read."""
+    engine = Engine()
+    watch = CancelWatch(store, engine, interval=60, full_every=0.5)
+    job = _running(store)
+    watch.watch(job, 1)
+    assert watch.look() == []
+    store.r.delete(keys.job(job))
+    looked = watch.look()
+    if looked == []:  # the full look was not due yet (a fast machine): it is, shortly
+        time.sleep(0.6)
+        looked = watch.look()
+    assert looked == [job] and engine.cancelled == [job]

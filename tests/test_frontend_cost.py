@@ -3,6 +3,7 @@
   attempt (a superseded attempt writes neither);
 - JobStore.get(..., result_key=...) brings the result with the record;
 - JobStore.wait blocks on the done stream and reads the record and result in one round trip;
+  a long wait reads the record after every other block that ran out, and finds it gone;
 - kombu's Redis channel reuses one client per pool (tasks/kombu_compat.py)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import uuid
 
 import redis
 
-from tasks import keys
+from tasks import jobs, keys
 from tasks.jobs import DONE_RESULT, RESULT_RAW, JobStore
 from tasks.schemas import JobSpec, JobStatus, SamplingParams
 from tests.helpers import queued_job
@@ -93,6 +94,43 @@ def test_wait_reads_the_final_record_in_the_round_trip_that_blocked(store, monke
     trips.clear()
     rec = store.wait(job2, 0.05, exists=True, result_key=result_key)
     assert rec["status"] == JobStatus.queued.value and trips == ["XREAD", "pipeline"]
+
+
+def _trips(store, monkeypatch) -> list[str]:
+    """Every command `store.r` sends, by name."""
+    trips: list[str] = []
+    real_command = redis.Redis.execute_command
+
+    def command(*args, **options):
+        trips.append(args[0])
+        return real_command(store.r, *args, **options)
+
+    monkeypatch.setattr(store.r, "execute_command", command)
+    return trips
+
+
+def test_a_long_wait_reads_the_record_after_every_other_block(store, monkeypatch):
+    """A job that runs for minutes costs its waiter one XREAD per block, and an HGETALL every
+    other one (it was XREAD, HGETALL and XREVRANGE each time: a 20 s job's waiter sent 21)."""
+    monkeypatch.setattr(jobs, "MAX_BLOCK_S", 0.2)
+    job = queued_job(store)
+    store.start(job, "w1", "t1")
+    trips = _trips(store, monkeypatch)
+    rec = store.wait(job, 2.0, exists=True)
+    assert rec["status"] == JobStatus.running.value
+    blocks, reads = trips.count("XREAD"), trips.count("HGETALL")
+    assert blocks >= 3 and set(trips) == {"XREAD", "HGETALL"}, trips
+    assert blocks // 2 <= reads <= blocks // 2 + 1, trips  # every other block, and at the end
+
+
+def test_a_wait_finds_the_record_gone(store, monkeypatch):
+    monkeypatch.setattr(jobs, "MAX_BLOCK_S", 0.2)
+    job = queued_job(store)
+    store.start(job, "w1", "t1")
+    threading.Timer(0.3, store.r.delete, (keys.job(job),)).start()
+    began = time.monotonic()
+    assert store.wait(job, 30.0, exists=True, result_key=f"celery-task-meta-{job}") is None
+    assert time.monotonic() - began < 10  # noticed within two blocks, not at the timeout
 
 
 def test_kombu_channels_reuse_their_redis_client(redis_url, monkeypatch):

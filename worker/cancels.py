@@ -7,13 +7,17 @@ job was given up for dead while this process hung, and runs elsewhere now). Ever
 tells the engine to drop those. Each task thread used to look for its own job twice a second:
 64 waiting threads woke 128 times a second, each taking the GIL from the engine's thread, which
 cost the hf engine a few per cent of its requests/s at 64 clients (docs/benchmarks.md, "One
-look for cancellations").
+look for cancellations"). Each look reads one counter (`keys.CANCELS`), which a cancel and a
+job's second or later start add to, and reads a record only where the counter moved since the
+job's own last look (or since before it started), or every `full_every`: a record that is
+gone says nothing (docs/benchmarks.md, "Redis commands per job").
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import redis
 
@@ -26,16 +30,25 @@ log = logging.getLogger(__name__)
 
 
 class CancelWatch:
-    def __init__(self, store: JobStore, engine: Engine, interval: float):
-        self.store, self.engine, self.interval = store, engine, interval
-        self._jobs: dict[str, int] = {}  # job id -> the attempt number this process runs
+    def __init__(self, store: JobStore, engine: Engine, interval: float, full_every: float = 5.0):
+        self.store, self.engine, self.interval, self.full_every = store, engine, interval, full_every
+        # job id -> [the attempt number this process runs, the counter at its last look]
+        self._jobs: dict[str, list] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self.seen: str | None = None  # the counter at the last look (None: not read yet)
+        self._full_at = time.monotonic()
+        self.reads = 0  # records read, in all (tests/test_cancels.py)
 
-    def watch(self, job_id: str, attempt: int) -> None:
+    def mark(self) -> str | None:
+        """What the counter was at the last look: taken before a job's start, and handed to
+        `watch` with it, so that a cancel between the start and the watch is not missed."""
+        return self.seen
+
+    def watch(self, job_id: str, attempt: int, since: str | None = None) -> None:
         with self._lock:
-            self._jobs[job_id] = attempt
+            self._jobs[job_id] = [attempt, since]
 
     def unwatch(self, job_id: str) -> None:
         with self._lock:
@@ -45,12 +58,22 @@ class CancelWatch:
         """One look at every watched job; the engine drops those that are cancelled, gone or
         superseded, and they are watched no more. Returns their ids."""
         with self._lock:
-            jobs = list(self._jobs.items())
+            if not self._jobs:
+                return []
+        counter = self.store.r.get(keys.CANCELS)
+        counter = counter.decode() if isinstance(counter, bytes) else (counter or "0")
+        full = time.monotonic() - self._full_at >= self.full_every
+        with self._lock:
+            jobs = [(job_id, w[0]) for job_id, w in self._jobs.items() if full or w[1] != counter]
+        if full:
+            self._full_at = time.monotonic()
+        self.seen = counter
         if not jobs:
             return []
         pipe = self.store.r.pipeline(transaction=False)
         for job_id, _ in jobs:
             pipe.hmget(keys.job(job_id), "status", "attempts")
+        self.reads += len(jobs)
         dropped = []
         for (job_id, attempt), (status, attempts) in zip(jobs, pipe.execute()):
             ended = status is None or status == JobStatus.cancelled.value  # cancelled, or gone
@@ -61,10 +84,12 @@ class CancelWatch:
                 log.warning("job %s attempt %d superseded; dropping it", job_id, attempt)
             self.engine.cancel(job_id)
             dropped.append(job_id)
-        if dropped:
-            with self._lock:
-                for job_id in dropped:
+        with self._lock:
+            for job_id, _ in jobs:
+                if job_id in dropped:
                     self._jobs.pop(job_id, None)
+                elif job_id in self._jobs:
+                    self._jobs[job_id][1] = counter
         return dropped
 
     def start(self) -> None:

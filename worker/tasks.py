@@ -98,7 +98,7 @@ class WorkerTask(Task):
         cls.running = {}
         cls.gate = Gate()
 
-    def _generate(self, spec: JobSpec, attempt: Attempt) -> GenerationResult:
+    def _generate(self, spec: JobSpec, attempt: Attempt, since: str | None = None) -> GenerationResult:
         """Hand the job to the engine and wait for it; the worker's `CancelWatch` has the
         engine drop it if it is cancelled or superseded meanwhile. A job the engine (or the
         chat template) cannot serve raises JobFailed, or JobRefused for its bad input."""
@@ -110,7 +110,7 @@ class WorkerTask(Task):
             if self.chat is not None and spec.embed is None:
                 spec = self.chat.prompt_of(spec)  # a chat job's prompt: its messages rendered
             future = self.engine.submit(spec)
-            self.watch.watch(spec.id, attempt.number)
+            self.watch.watch(spec.id, attempt.number, since)
             try:
                 return future.result()
             finally:
@@ -174,6 +174,7 @@ def register(app: Celery) -> None:
         try:
             # A message left the queue's list: the same call refills it from the keys' lines.
             fill = self.fair.fill_args(self.queue) if self.fair is not None else None
+            since = self.watch.mark()  # before the start: a cancel after it moves the counter
             attempt = self.store.start(spec.id, self.worker_name, tag, fill)
         except BaseException:
             _not_running(self.running, spec.id, tag)
@@ -198,7 +199,7 @@ def register(app: Celery) -> None:
             try:
                 if attempt.solo:
                     self._mark_solo(spec.id, attempt.number)
-                result = self._generate(spec, attempt)
+                result = self._generate(spec, attempt, since)
             finally:
                 self.gate.leave(attempt.solo)
         finally:
