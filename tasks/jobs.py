@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -32,9 +33,12 @@ ACTIVE = (JobStatus.queued, JobStatus.running)
 RESULT_RAW = "\0result-raw"
 Raw = str | bytes
 MAX_BLOCK_S = 3.0
-# A waiter reads the record after every this many blocks that ran out (JobStore.wait).
-LOOK_EVERY = 2
-# What `JobStore.get` answers for a block that ran out when it was not to read the record.
+# A waiter whose done stream stays empty reads the job's record this often (JobStore.wait).
+LOOK_S = 6.0
+# How often a waiter with a `gone` check asks it (whether its client left).
+GONE_CHECK_S = 1.0
+# What `JobStore.get` answers for a block that ran out when it was not to read the record, and
+# `JobStore.wait` for a waiter whose client left.
 PENDING: dict[str, str] = {}
 
 # A worker takes the jobs it ended off its in-flight hash (`JobStore.forget_ended`) once this
@@ -326,34 +330,45 @@ class JobStore:
         return moved, prev
 
     def wait(
-        self, job_id: str, timeout: float, exists: bool = False, result_key: str | bytes | None = None
+        self,
+        job_id: str,
+        timeout: float,
+        exists: bool = False,
+        result_key: str | bytes | None = None,
+        gone: Callable[[], bool] | None = None,
     ) -> dict[str, str] | None:
         """The job's record once it is final, or as it stands when `timeout` runs out.
 
         `exists`: the caller knows the job exists (it just created it), so the first look at
         the record can wait for the done stream instead of finding the job still running.
-        `result_key`: as for `get`.
+        `result_key`: as for `get`. `gone`: asked after every block (then of GONE_CHECK_S at
+        most) whether the waiter's client left; when it says so, the wait ends with PENDING.
         """
-        deadline = time.monotonic() + timeout
+        looked = time.monotonic()  # the last read of the record (or the job's creation)
+        deadline = looked + timeout
         if not exists:
             rec = self.get(job_id, result_key)
             rec = rec and self.expire_if_due(rec)
             if rec is None or JobStatus(rec["status"]).terminal:
                 return rec
-        empty = 0
+        longest = MAX_BLOCK_S if gone is None else min(MAX_BLOCK_S, GONE_CHECK_S)
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left > 0:
                 # An entry in the done stream means the record is final. Each block stays
                 # below the client's socket timeout (redis-py's default is 5 s). After a block
-                # that ran out, the record is read only every LOOK_EVERY-th time (it may be
-                # gone, or queued past its deadline): a long job's waiter costs Redis one
-                # command per block, not three (docs/benchmarks.md, "Redis commands per job").
-                block_ms = max(1, int(min(left, MAX_BLOCK_S) * 1000))
-                empty += 1
-                rec = self.get(job_id, result_key, block_ms, look=empty % LOOK_EVERY == 0)
+                # that ran out, the record is read only every LOOK_S (it may be gone, or queued
+                # past its deadline): a long job's waiter costs Redis one command per block, not
+                # three (docs/benchmarks.md, "Redis commands per job").
+                block_ms = max(1, int(min(left, longest) * 1000))
+                look = now + block_ms / 1000 - looked >= LOOK_S
+                rec = self.get(job_id, result_key, block_ms, look=look)
                 if rec is PENDING:
+                    if gone is not None and gone():
+                        return PENDING
                     continue
+                looked = time.monotonic()
             else:
                 rec = self.get(job_id, result_key)
             rec = rec and self.expire_if_due(rec)

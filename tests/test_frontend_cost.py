@@ -113,6 +113,7 @@ def test_a_long_wait_reads_the_record_after_every_other_block(store, monkeypatch
     """A job that runs for minutes costs its waiter one XREAD per block, and an HGETALL every
     other one (it was XREAD, HGETALL and XREVRANGE each time: a 20 s job's waiter sent 21)."""
     monkeypatch.setattr(jobs, "MAX_BLOCK_S", 0.2)
+    monkeypatch.setattr(jobs, "LOOK_S", 0.4)
     job = queued_job(store)
     store.start(job, "w1", "t1")
     trips = _trips(store, monkeypatch)
@@ -125,12 +126,26 @@ def test_a_long_wait_reads_the_record_after_every_other_block(store, monkeypatch
 
 def test_a_wait_finds_the_record_gone(store, monkeypatch):
     monkeypatch.setattr(jobs, "MAX_BLOCK_S", 0.2)
+    monkeypatch.setattr(jobs, "LOOK_S", 0.4)
     job = queued_job(store)
     store.start(job, "w1", "t1")
     threading.Timer(0.3, store.r.delete, (keys.job(job),)).start()
     began = time.monotonic()
     assert store.wait(job, 30.0, exists=True, result_key=f"celery-task-meta-{job}") is None
     assert time.monotonic() - began < 10  # noticed within two blocks, not at the timeout
+
+
+def test_a_wait_ends_when_its_client_left(store, monkeypatch):
+    """A blocking call asks whether its client left between blocks of one wait (a second at
+    most apart), without reading the record each time."""
+    monkeypatch.setattr(jobs, "GONE_CHECK_S", 0.2)
+    job = queued_job(store)
+    store.start(job, "w1", "t1")
+    asked: list[float] = []
+    trips = _trips(store, monkeypatch)
+    rec = store.wait(job, 30.0, exists=True, gone=lambda: asked.append(time.monotonic()) or len(asked) >= 3)
+    assert rec is jobs.PENDING and len(asked) == 3
+    assert trips == ["XREAD"] * 3  # three blocks of 0.2 s, no record read
 
 
 def test_kombu_channels_reuse_their_redis_client(redis_url, monkeypatch):

@@ -8,7 +8,8 @@ timeouts), measured first, over the batch's duration: a slow, loaded machine spr
 over fewer jobs a second. Run with `-s` to see the breakdown per command, and what the batch
 cost Redis's process in CPU per job (printed, not asserted: docs/benchmarks.md compares it
 between commits); REDIS_COST_JOBS and REDIS_COST_CLIENTS make the batch larger,
-REDIS_COST_ENGINE=hf runs the tiny model instead of the echo engine.
+REDIS_COST_ENGINE=hf runs the tiny model instead of the echo engine, REDIS_COST_TOKENS asks
+each job for more tokens (longer jobs).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from scripts import stack as stackmod
 
 JOBS = int(os.environ.get("REDIS_COST_JOBS", "120"))
 CLIENTS = int(os.environ.get("REDIS_COST_CLIENTS", "4"))
+TOKENS = int(os.environ.get("REDIS_COST_TOKENS", "8"))
 IDLE_S = 3.0
 # The engine of the stack: echo (the queue path alone), or hf (the tiny model, as issue 45 counts).
 ENGINE = os.environ.get("REDIS_COST_ENGINE", "echo")
@@ -63,7 +65,7 @@ def costed(tiny_model, stack_logs):
 
 def run_jobs(s, n: int) -> None:
     def one(i: int) -> None:
-        resp = s.post("/basic_generate", json={"prompt": f"count {i}", "max_new_tokens": 8})
+        resp = s.post("/basic_generate", json={"prompt": f"count {i}", "max_new_tokens": TOKENS})
         assert resp.status_code == 200, resp.text
         assert resp.json()["generated_text"]
 

@@ -25,7 +25,7 @@ from tasks.celery_app import PRIORITY_STEPS, broker_priority, job_message
 from tasks.config import Settings, queue_for
 from tasks.errors import JobError
 from tasks.fair import FairLines
-from tasks.jobs import RESULT_RAW, JobStore, QuotaExceeded
+from tasks.jobs import PENDING, RESULT_RAW, JobStore, QuotaExceeded
 from tasks.kombu_compat import send_sent_events
 from tasks.placement import Placement
 from tasks.records import decode_record, record_error
@@ -40,9 +40,6 @@ log = logging.getLogger(__name__)
 
 # How long the list of live workers is reused before Redis is asked again.
 WORKERS_CACHE_S = 1.0
-
-# A blocking call looks this often whether its client is still there.
-DISCONNECT_CHECK_S = 1.0
 
 
 class ClientGone(Exception):
@@ -308,16 +305,24 @@ class JobService:
         return self._look(job_id, wait, exists, owner)[0]
 
     def _look(
-        self, job_id: str, wait: float = 0.0, exists: bool = False, owner: str | None = None
+        self,
+        job_id: str,
+        wait: float = 0.0,
+        exists: bool = False,
+        owner: str | None = None,
+        gone: Callable[[], bool] | None = None,
     ) -> tuple[dict[str, Any], JobError | None]:
         """`view`, and the error that ended the job as its worker (or the store) typed it: with
-        the request field it concerns, which the view leaves out."""
+        the request field it concerns, which the view leaves out. `gone`: the waiting client's
+        check (`client_gone`), asked between blocks of the wait; ClientGone when it left."""
         if owner is not None and wait > 0 and not exists:
             self.require_job(job_id, owner)
         # The result (if any) comes with the record, in one round trip.
         result_key = self.celery.backend.get_key_for_task(job_id)
         if wait > 0:
-            rec = self.store.wait(job_id, wait, exists, result_key)
+            rec = self.store.wait(job_id, wait, exists, result_key, gone)
+            if rec is PENDING:
+                raise ClientGone()
         else:
             rec = self.store.get(job_id, result_key)
         owned(rec, owner, "job", job_id)
@@ -354,16 +359,10 @@ class JobService:
 
     def outcome(self, job_id: str, deadline: float, gone: Callable[[], bool] | None = None) -> dict[str, Any]:
         """The result of a job this request submitted, or the error that ended it. With
-        `gone`, waits in slices and raises ClientGone once it says the client left."""
-        while True:
-            left = deadline - time.monotonic()
-            step = left if gone is None else min(left, DISCONNECT_CHECK_S)
-            body, error = self._look(job_id, max(0.001, step), exists=True)
-            status = body["status"]
-            if status not in (JobStatus.queued.value, JobStatus.running.value) or step >= left:
-                break
-            if gone():
-                raise ClientGone()
+        `gone`, raises ClientGone once it says the client left (asked every second at most:
+        tasks.jobs.GONE_CHECK_S, between blocks of one wait, which reads the record seldom)."""
+        body, error = self._look(job_id, max(0.001, deadline - time.monotonic()), exists=True, gone=gone)
+        status = body["status"]
         if status == JobStatus.succeeded.value:
             return body["result"]
         if status in (JobStatus.queued.value, JobStatus.running.value):
