@@ -233,8 +233,9 @@ def start_server(dtype: str, procs: Processes, model_dir: Path, args, outdir: Pa
     argv += ["--enforce-eager", "--dtype", dtype, "--max-num-seqs", str(MAX_NUM_SEQS), "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--disable-log-stats", "--disable-uvicorn-access-log"]
     argv += getattr(args, "server_args", ())  # e.g. bench.prefix's --enable-prompt-tokens-details
+    env = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, **getattr(args, "server_env", {})}  # e.g. the Responses store
     t0 = time.monotonic()
-    server = procs.start(label, argv, {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "HF_HUB_OFFLINE": "1"})
+    server = procs.start(label, argv, {**env, "HF_HUB_OFFLINE": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
         up = lambda: stack.http_get(base + "/v1/models", timeout=5)[0] == 200  # noqa: E731
@@ -251,8 +252,10 @@ def start_server(dtype: str, procs: Processes, model_dir: Path, args, outdir: Pa
     log(f"vLLM's server ({dtype}) ready on port {port} after {startup:.0f} s")
     groups = split_groups(server.pid, "server")
     cmd = " ".join(shlex.quote(x) for x in argv[1:] if x != str(port))
-    info = {"startup_s": startup, "text": text, "command": cmd, "env": {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}}
-    return Running("server", dtype, port, model, groups, [server.pid], lambda: procs.stop(server), info)
+    info = {"startup_s": startup, "text": text, "command": cmd, "env": env}
+    running = Running("server", dtype, port, model, groups, [server.pid], lambda: procs.stop(server), info)
+    running.proc = server  # for a harness that kills or restarts it (bench.responses_compat)
+    return running
 
 
 def probe(run: Running, args) -> dict:
