@@ -46,6 +46,8 @@ SIGNATURE = "X-Genq-Signature"
 # Where create_app keeps the app's deliverer (gunicorn's post_worker_init starts it).
 EXTENSION = "genq_callbacks"
 TICK_S = 0.2
+# After a tick that found nothing due, the next comes later (an idle API's Redis commands).
+IDLE_TICK_S = 1.0
 # Entries one tick claims at most.
 CLAIM_MAX = 16
 # The first retry's delay, doubled each time, up to BACKOFF_MAX_S.
@@ -162,9 +164,11 @@ class CallbackDeliverer:
         self._pool.shutdown(wait=False)
 
     def run(self) -> None:
-        while not self.stopped.wait(TICK_S):
+        pause = TICK_S
+        while not self.stopped.wait(pause):
+            pause = TICK_S
             try:
-                self.tick()
+                pause = TICK_S if self.tick() or self._inflight else IDLE_TICK_S
             except BROKER_ERRORS as exc:
                 if time.monotonic() - self._warned > 30:
                     self._warned = time.monotonic()

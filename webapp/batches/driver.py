@@ -32,8 +32,10 @@ from webapp.protocol.jobs import Scheduling
 log = logging.getLogger(__name__)
 
 TICK_S = 0.2
-# While lines move, the next tick comes sooner.
+# While lines move, the next tick comes sooner; while no batch is active, later (a batch this
+# process creates wakes its driver at once: `wake`; another process's is seen within this).
 BUSY_TICK_S = 0.05
+IDLE_TICK_S = 1.0
 LOCK_S = 5
 # Batch lines wait behind every interactive job (0 by default): vLLM's order, lower first.
 BATCH_PRIORITY = PRIORITY_MAX
@@ -58,6 +60,8 @@ class BatchDriver:
         # Per model, the batch lines its workers may still take this tick (a model not in it:
         # no limit but each batch's window).
         self._room: dict[str, int] = {}
+        self.idle = False  # no batch was active at the last tick
+        self._wake = threading.Event()
 
     # -- the loop
 
@@ -68,13 +72,23 @@ class BatchDriver:
 
     def stop(self) -> None:
         self.stopped.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """A batch was created here: the next tick comes now."""
+        self._wake.set()
 
     def run(self) -> None:
-        busy = False
-        while not self.stopped.wait(BUSY_TICK_S if busy else TICK_S):
-            busy = False
+        pause = TICK_S
+        while True:
+            self._wake.wait(pause)
+            self._wake.clear()
+            if self.stopped.is_set():
+                return
+            pause = TICK_S
             try:
                 busy = self.tick()
+                pause = BUSY_TICK_S if busy else IDLE_TICK_S if self.idle else TICK_S
             except BROKER_ERRORS as exc:
                 if time.monotonic() - self._warned > 30:
                     self._warned = time.monotonic()
@@ -87,6 +101,7 @@ class BatchDriver:
         the next tick comes at once)."""
         moved = False
         active = self.store.active()
+        self.idle = not active
         self._room = self.fleet_room(active)
         for batch_id in active:
             lock = self.store.lock(batch_id, LOCK_S)

@@ -119,6 +119,7 @@ def create_batch():
 
     # A retry with the same Idempotency-Key and body gets the first request's batch.
     found, replayed = idempotency.once(_owner(), create)
+    current_batches().driver.wake()
     batch = Batch.from_record(store.get(found["id"], _owner())) if replayed else made["batch"]
     return batch.model_dump(mode="json")
 
