@@ -36,7 +36,7 @@ MAX_BLOCK_S = 3.0
 # A waiter whose done stream stays empty reads the job's record this often (JobStore.wait).
 LOOK_S = 6.0
 # How often a waiter with a `gone` check asks it (whether its client left).
-GONE_CHECK_S = 1.0
+GONE_CHECK_S = 2.0
 # What `JobStore.get` answers for a block that ran out when it was not to read the record, and
 # `JobStore.wait` for a waiter whose client left.
 PENDING: dict[str, str] = {}

@@ -359,7 +359,7 @@ class JobService:
 
     def outcome(self, job_id: str, deadline: float, gone: Callable[[], bool] | None = None) -> dict[str, Any]:
         """The result of a job this request submitted, or the error that ended it. With
-        `gone`, raises ClientGone once it says the client left (asked every second at most:
+        `gone`, raises ClientGone once it says the client left (asked every 2 s at most:
         tasks.jobs.GONE_CHECK_S, between blocks of one wait, which reads the record seldom)."""
         body, error = self._look(job_id, max(0.001, deadline - time.monotonic()), exists=True, gone=gone)
         status = body["status"]

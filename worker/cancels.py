@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 class CancelWatch:
-    def __init__(self, store: JobStore, engine: Engine, interval: float, full_every: float = 5.0):
+    def __init__(self, store: JobStore, engine: Engine, interval: float, full_every: float = 30.0):
         self.store, self.engine, self.interval, self.full_every = store, engine, interval, full_every
         # job id -> [the attempt number this process runs, the counter at its last look]
         self._jobs: dict[str, list] = {}
