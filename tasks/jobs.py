@@ -230,16 +230,18 @@ class JobStore:
         moved, prev, _, _ = self._move(job_id, to, allowed, fence, **fields)
         return moved == 1, prev
 
-    def start(self, job_id: str, worker: str, tag: str, fill: list | None = None) -> Attempt:
+    def start(self, job_id: str, worker: str, tag: str, fill: list | None = None, fence: int | None = None) -> Attempt:
         """Begin a new attempt at a job on `worker`, which holds its message as `tag`.
 
         `running` is allowed as a source: the job is delivered again after its worker died.
         A job that already used up its attempts fails instead (a poison job must not take
         down one worker after another). `fill`: fair share's (tasks/fair.py
         `FairLines.fill_args`): if the job has an owner, the queue's lists are refilled from
-        the keys' lines in the same call, whether or not the job starts."""
+        the keys' lines in the same call, whether or not the job starts. `fence`: the job's
+        attempts that the message was published at (JobSpec.republished_after; 0 for the API's
+        own): a copy of a message whose job has started since does not start it again."""
         moved, prev, number, forgiven = self._move(
-            job_id, JobStatus.running, ACTIVE, worker=worker, tag=tag, _fill=fill, started=repr(time.time())
+            job_id, JobStatus.running, ACTIVE, fence, worker=worker, tag=tag, _fill=fill, started=repr(time.time())
         )
         if moved == 1 and number > 1:
             self.r.incr(keys.CANCELS)  # an earlier attempt may still run somewhere: it is superseded

@@ -330,6 +330,12 @@ class JobSpec(BaseModel):
     owner: str | None = Field(None, description="the submitting API key's name (never the key)")
     weight: int = Field(1, ge=1, description="its owner's fair-share weight (tasks/fair.py, the engine's order)")
     callback_url: str | None = Field(None, description="where the API POSTs the job's record once it ends")
+    republished_after: int | None = Field(
+        None,
+        description="set on a message recovery published again: the job's attempts then. A worker starts a job "
+        "only from that count (0 for the API's own message): another copy of a message whose job started since "
+        "(kept by a worker across a Redis failover, or given back by kombu) is dropped, not run twice",
+    )
 
 
 class Logprobs(BaseModel):

@@ -295,7 +295,8 @@ class Reaper:
             return False
         if forgive:  # before the message: the start that follows reads it (solo)
             self.store.forgive(job_id, attempt)
-        publish_job(self.app, spec, rec["queue"])
+        # At the attempts it has now: a start from any other count is a stale copy's.
+        publish_job(self.app, spec.model_copy(update={"republished_after": attempt}), rec["queue"])
         log.warning("job %s (%s) had lost its message; published it again", job_id, status.value)
         return True
 

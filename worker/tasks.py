@@ -170,21 +170,29 @@ def register(app: Celery) -> None:
             self.store.expire(spec.id, allowed=ACTIVE)
             raise Ignore()
         tag = (self.request.properties or {}).get("delivery_tag", "")
+        held = self.running.get(spec.id)  # a copy of a job this process runs already, if any
         self.running[spec.id] = tag  # before Redis says so: never in-flight and unknown here
         try:
             # A message left the queue's list: the same call refills it from the keys' lines.
             fill = self.fair.fill_args(self.queue) if self.fair is not None else None
             since = self.watch.mark()  # before the start: a cancel after it moves the counter
-            attempt = self.store.start(spec.id, self.worker_name, tag, fill)
+            # Only from the attempts the message was published at (JobSpec.republished_after).
+            attempt = self.store.start(spec.id, self.worker_name, tag, fill, fence=spec.republished_after or 0)
         except BaseException:
             _not_running(self.running, spec.id, tag)
+            if held is not None:
+                self.running.setdefault(spec.id, held)
             raise
         if not attempt.run:
             _not_running(self.running, spec.id, tag)
-            # Cancelled while queued, already final, expired, or out of attempts: nothing to run.
-            log.info(
-                "job %s skipped: status %s%s", spec.id, attempt.prev, " (out of attempts)" if attempt.exhausted else ""
-            )
+            if held is not None:
+                self.running.setdefault(spec.id, held)
+            # Cancelled while queued, already final, expired, or out of attempts; or running:
+            # this is a stale copy of its message (it started since it was published).
+            why = " (out of attempts)" if attempt.exhausted else ""
+            if attempt.prev is JobStatus.running and not attempt.exhausted:
+                why = f" (a copy of its message from attempt {spec.republished_after or 0}; it is at {attempt.number})"
+            log.info("job %s skipped: status %s%s", spec.id, attempt.prev, why)
             raise Ignore()
         self.request.genq_attempt = attempt.number
         metrics.job_started(spec, attempt.number, self.request)
