@@ -466,14 +466,15 @@ def test_the_queue_cap_is_exact_under_concurrent_submissions(make_stack):
 
 
 def test_a_superseded_attempt_cannot_finish_the_job(store):
-    job = queued_job(store)
-    first = store.start(job, "w1", "tag-1")
-    second = store.start(job, "w2", "tag-2")
+    # Worker names of its own: other tests' jobs on the session's Redis sit in "w1"'s in-flight set.
+    job, w1, w2 = queued_job(store), f"w1-{uuid.uuid4().hex[:8]}", f"w2-{uuid.uuid4().hex[:8]}"
+    first = store.start(job, w1, "tag-1")
+    second = store.start(job, w2, "tag-2")
     assert (first.run, first.number, second.run, second.number) == (True, 1, True, 2)
-    assert store.r.hgetall(keys.inflight("w1")) == {} and store.r.hgetall(keys.inflight("w2")) == {job: "tag-2"}
+    assert store.r.hgetall(keys.inflight(w1)) == {} and store.r.hgetall(keys.inflight(w2)) == {job: "tag-2"}
     assert store.finish(job, JobStatus.succeeded, fence=1) == (False, JobStatus.running)
     assert store.finish(job, JobStatus.succeeded, fence=2) == (True, JobStatus.running)
-    assert store.r.hgetall(keys.inflight("w2")) == {}
+    assert store.r.hgetall(keys.inflight(w2)) == {}
 
 
 def test_a_job_out_of_attempts_fails_when_delivered_again(store):
