@@ -179,14 +179,10 @@ def register(app: Celery) -> None:
             # Only from the attempts the message was published at (JobSpec.republished_after).
             attempt = self.store.start(spec.id, self.worker_name, tag, fill, fence=spec.republished_after or 0)
         except BaseException:
-            _not_running(self.running, spec.id, tag)
-            if held is not None:
-                self.running.setdefault(spec.id, held)
+            _not_running(self.running, spec.id, tag, held)
             raise
         if not attempt.run:
-            _not_running(self.running, spec.id, tag)
-            if held is not None:
-                self.running.setdefault(spec.id, held)
+            _not_running(self.running, spec.id, tag, held)
             # Cancelled while queued, already final, expired, or out of attempts; or running:
             # this is a stale copy of its message (it started since it was published).
             why = " (out of attempts)" if attempt.exhausted else ""
@@ -251,7 +247,7 @@ def _record_outcome(task_id=None, task=None, retval=None, state=None, **_):
         _not_running(task.running, task_id, (task.request.properties or {}).get("delivery_tag", ""))
 
 
-def _not_running(running: dict[str, str], job_id: str, tag: str) -> None:
+def _not_running(running: dict[str, str], job_id: str, tag: str, held: str | None = None) -> None:
     """The attempt of `job_id` that came with message `tag` is over here. Only its own entry
     goes: a job published again (a message thought lost) may have a newer attempt running on
     this same worker, which superseded this one; popping its entry made the reconciler take
@@ -259,6 +255,8 @@ def _not_running(running: dict[str, str], job_id: str, tag: str) -> None:
     failover)."""
     if running.get(job_id) == tag:
         running.pop(job_id, None)
+    if held is not None:  # the tag of a copy this process ran already, which goes on
+        running.setdefault(job_id, held)
 
 
 def _finish(task_id, task: WorkerTask, retval, state) -> None:
