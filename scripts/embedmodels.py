@@ -102,9 +102,15 @@ def ensure(name: str) -> Path:
         got = sha256(folder / "model.safetensors")
         if got != model.sha256:
             raise SystemExit(f"{model.name}/model.safetensors: SHA-256 {got}, expected {model.sha256}")
+        if (out / "modules.json").is_file():
+            return out  # another process (a parallel test worker) made it meanwhile: keep its
         if out.exists():  # a folder left half-made (no modules.json): replace it
             shutil.rmtree(out)
-        folder.rename(out)
+        try:
+            folder.rename(out)
+        except OSError:  # made by another process between the check and the rename
+            if not (out / "modules.json").is_file():
+                raise
     return out
 
 
