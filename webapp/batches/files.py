@@ -69,7 +69,7 @@ class FileStore:
         self.r = client
         self.settings = settings
         # Where new files' content goes ("": Redis); a file's own hash says where it is.
-        self.dir = settings.files_dir or ""
+        self.dir = os.path.abspath(settings.files_dir) if settings.files_dir else ""
         if self.dir:
             os.makedirs(self.dir, exist_ok=True)
 

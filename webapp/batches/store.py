@@ -134,7 +134,7 @@ class BatchStore:
             "key_max_new_tokens": "" if key is None or key.max_new_tokens is None else key.max_new_tokens,
             "key_weight": "" if key is None else key.weight,
             # Where its output goes as it runs ("": in Redis till it ends), for whoever drives it.
-            "files_dir": self.settings.files_dir or "",
+            "files_dir": self.files.dir,
         }
         seq = self.r.incr(keys.BATCHES_SEQ)
         pipe = self.r.pipeline()
