@@ -1,8 +1,10 @@
 """The Batch API with GENQ_FILES_DIR on the real stack (the tiny hf model behind one worker,
 driven by the official `openai` client): what tests/test_batches.py checks in Redis, for a
-representative subset (a completions batch with error lines, cancel, expiry; an embeddings
-batch: tests/test_embeddings.py's, run there on disk too), and that the files are on disk while
-Redis holds at most GENQ_FILES_FLUSH_LINES output lines of a running batch."""
+representative subset (a completions batch with error lines, cancel, expiry; and
+tests/test_embeddings.py's embeddings batch, behind an all-MiniLM-L6-v2 worker), and that the
+files are on disk while Redis holds at most GENQ_FILES_FLUSH_LINES output lines of a running
+batch. (The whole of tests/test_batches.py also passes with GENQ_FILES_DIR in the environment:
+every stack's processes inherit it.)"""
 
 from __future__ import annotations
 
