@@ -29,12 +29,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     GENQ_HOST=0.0.0.0 \
     GENQ_PORT=8000
 
-# Unprivileged runtime user. /models and HF_HOME are created (and owned by it) in the
-# image so that named volumes mounted there start out writable by that user.
+# Unprivileged runtime user. /models, /files (GENQ_FILES_DIR) and HF_HOME are created (and
+# owned by it) in the image so that named volumes mounted there start out writable by that user.
 RUN groupadd --system --gid 10001 app \
  && useradd --system --uid 10001 --gid app --create-home --home-dir /home/app app \
- && mkdir -p /models "$HF_HOME" \
- && chown -R app:app /models /home/app
+ && mkdir -p /models /files "$HF_HOME" \
+ && chown -R app:app /models /files /home/app
 
 WORKDIR /app
 

@@ -210,6 +210,18 @@ class BatchSettings(_Env):
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024, description="largest /v1/files upload, bytes")
     file_ttl: int = Field(7 * 86_400, ge=60, description="seconds a file (and a finished batch) is kept")
     batch_window: int = Field(256, ge=1, description="lines of one batch waiting or running at once")
+    files_dir: str | None = Field(
+        None,
+        description="a directory (the same path in every API process: one host, or a shared volume) for the "
+        "content of files and of a batch's output as it runs; Redis then keeps only their metadata and at "
+        "most GENQ_FILES_FLUSH_LINES output lines per batch (webapp/batches/disk.py); unset: all in Redis",
+    )
+    files_flush_lines: int = Field(
+        256,
+        ge=1,
+        description="with GENQ_FILES_DIR: the output (or error) lines a batch holds in Redis before "
+        "the driver appends them to its part file on disk",
+    )
 
 
 class CallbackSettings(_Env):

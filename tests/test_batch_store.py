@@ -21,11 +21,13 @@ from webapp.protocol.batches import BatchRequest
 LINES = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}} for i in range(3)]
 
 
-@pytest.fixture
-def stores(redis_url):
+@pytest.fixture(params=["redis", "disk"])
+def stores(request, redis_url, tmp_path):
+    """The stores with files in Redis, and with GENQ_FILES_DIR (tests/test_files_dir.py)."""
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    files = FileStore(client, Settings())
-    yield files, BatchStore(client, Settings(), files)
+    settings = Settings(files_dir=str(tmp_path) if request.param == "disk" else None)
+    files = FileStore(client, settings)
+    yield files, BatchStore(client, settings, files)
     client.close()
 
 
@@ -77,7 +79,7 @@ def test_a_line_settles_once_and_a_batch_ends_once(stores):
     rec = store.record(batch_id)
     assert rec["status"] == "expired" and rec["expired_at"] and batch_id not in store.active()
     out, err = rec["output_file_id"], rec["error_file_id"]
-    assert list(files.chunks(out)) == ["an output line\n"] and list(files.chunks(err)) == ["expired 1\n", "expired 2\n"]
+    assert "".join(files.chunks(out)) == "an output line\n" and "".join(files.chunks(err)) == "expired 1\nexpired 2\n"
     meta = files.meta(err, "")
     assert (meta["purpose"], meta["bytes"], meta["filename"]) == ("batch_output", "20", f"{batch_id}_error.jsonl")
     assert 0 < store.r.ttl(keys.batch(batch_id)) <= Settings().file_ttl

@@ -398,6 +398,17 @@ def test_environment_values_are_strings(services):
                 assert not isinstance(val, bool), (name, key, val)
 
 
+def test_files_live_on_a_volume_of_the_api_not_in_redis(compose, services):
+    """GENQ_FILES_DIR is set by default to where the api mounts the genq-files volume (a batch's
+    output then grows no Redis); set empty in .env, files stay in Redis."""
+    files_dir = env_of(services["api"])["GENQ_FILES_DIR"]
+    source, read_only = volume_mounts(services["api"])[files_dir]
+    assert source == "genq-files" and "genq-files" in (compose.get("volumes") or {}) and not read_only
+    raw = services["api"]["environment"]["GENQ_FILES_DIR"]
+    assert interpolate(raw, {"GENQ_FILES_DIR": ""}) == "" and interpolate(raw, {"GENQ_FILES_DIR": "/x"}) == "/x"
+    assert f"mkdir -p /models {files_dir} " in DOCKERFILE.read_text()  # the volume starts the app user's
+
+
 def test_model_volume_is_shared_and_built_by_model_init(compose, services):
     declared = compose.get("volumes") or {}
     init_src, init_ro = volume_mounts(services["model-init"])["/models"]

@@ -3,8 +3,9 @@ that each tick takes, per active batch, an expiring Redis lock and moves the bat
 its input, collects the lines whose jobs ended into output or error lines, feeds the next lines
 as ordinary jobs through the completions service (webapp/completions.py; embeddings lines:
 webapp/embeddings.py) at the least urgent priority, within a window and the fleet's room, and
-ends it (completed, cancelled, expired, failed). Nothing lives in the process: another one takes the lock and goes on (docs/design.md,
-"Batches")."""
+ends it (completed, cancelled, expired, failed); with GENQ_FILES_DIR it flushes the batch's
+output lines to disk as they come and sweeps the files no one owns. Nothing lives in the
+process: another one takes the lock and goes on (docs/design.md, "Batches")."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from webapp import embeddings
 from webapp.auth import ApiKey
 from webapp.batches.files import chunk_lines, now
 from webapp.batches.output import expired_line, response_line
-from webapp.batches.store import FINAL, BatchStore, LockError
+from webapp.batches.store import FINAL, BatchStore, LockError, Spill
 from webapp.batches.validation import check_input
 from webapp.completions import CompletionService, Submitted
 from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status
@@ -37,6 +38,8 @@ TICK_S = 0.2
 BUSY_TICK_S = 0.05
 IDLE_TICK_S = 1.0
 LOCK_S = 5
+# With GENQ_FILES_DIR: how often a process lists the directory for files no one owns.
+SWEEP_S = 60
 # Batch lines wait behind every interactive job (0 by default): vLLM's order, lower first.
 BATCH_PRIORITY = PRIORITY_MAX
 
@@ -62,6 +65,7 @@ class BatchDriver:
         self._room: dict[str, int] = {}
         self.idle = False  # no batch was active at the last tick
         self._wake = threading.Event()
+        self._swept = time.monotonic()
 
     # -- the loop
 
@@ -89,6 +93,9 @@ class BatchDriver:
             try:
                 busy = self.tick()
                 pause = BUSY_TICK_S if busy else IDLE_TICK_S if self.idle else TICK_S
+                if self.settings.files_dir and time.monotonic() - self._swept > SWEEP_S:
+                    self._swept = time.monotonic()
+                    self.files.sweep()
             except BROKER_ERRORS as exc:
                 if time.monotonic() - self._warned > 30:
                     self._warned = time.monotonic()
@@ -111,6 +118,8 @@ class BatchDriver:
                 moved |= bool(self.step(batch_id, lock))
             except LockError:
                 pass  # held too long and lost: whoever holds it now goes on
+            except OSError as exc:  # its files on disk (GENQ_FILES_DIR): the other batches go on
+                log.error("batch %s: %s", batch_id, exc)
             finally:
                 try:
                     lock.release()
@@ -155,14 +164,15 @@ class BatchDriver:
         stopping = rec.get("stopping") or ("cancelled" if rec["status"] == "cancelling" else None)
         if stopping:
             self.cancel_waiting(batch_id)
-        moved = self.collect(batch_id, stopping)
+        spill = self.store.spill(rec)
+        moved = self.collect(batch_id, stopping, spill)
         if not stopping:
-            moved += self.feed(rec, lock)
+            moved += self.feed(rec, lock, spill)
         rec = self.store.record(batch_id)
         if self.store.pending_count(batch_id):
             return moved > 0
         if rec.get("stopping") == "expired":
-            self.expire_unfed(rec, lock)
+            self.expire_unfed(rec, lock, spill)
             self.finalize(rec, "expired")
         elif rec["status"] == "cancelling":
             self.finalize(rec, "cancelled")
@@ -182,7 +192,7 @@ class BatchDriver:
 
     # -- collecting
 
-    def collect(self, batch_id: str, stopping: str | None) -> int:
+    def collect(self, batch_id: str, stopping: str | None, spill: Spill) -> int:
         """Settle the pending lines whose jobs all ended; returns how many."""
         entries = self.store.pending(batch_id)
         if not entries:
@@ -199,7 +209,10 @@ class BatchDriver:
         for field in done:
             entry = entries[field]
             kind, line, tokens = self.output_line(entry, self.store.job_records(entry["ids"]), stopping)
-            settled += self.store.settle(batch_id, field, kind, line, tokens)
+            if self.store.settle(batch_id, field, kind, line, tokens):
+                settled += 1
+                if kind != "drop":
+                    spill.added(kind)
         return settled
 
     def output_line(
@@ -253,7 +266,7 @@ class BatchDriver:
             limits.append(key.max_queued // 2)
         return max(1, min(limits))
 
-    def feed(self, rec: dict, lock) -> int:
+    def feed(self, rec: dict, lock, spill: Spill) -> int:
         """Put the next lines on the queue, up to the window; returns how many."""
         batch_id = rec["id"]
         key = self._owner_key(rec)
@@ -294,6 +307,8 @@ class BatchDriver:
                 self.service.abandon(ids)  # the batch was taken over: its new holder feeds it
                 return fed
             offset += 1
+            if kind == "error":
+                spill.added("err")
             if kind != "skip":
                 rec["fed"] = int(rec["fed"]) + 1
                 fed += 1
@@ -363,7 +378,7 @@ class BatchDriver:
                     job_id, JobStatus.cancelled, (JobStatus.queued,), finished=repr(time.time()), error=error
                 )
 
-    def expire_unfed(self, rec: dict, lock) -> None:
+    def expire_unfed(self, rec: dict, lock, spill: Spill) -> None:
         """Write the lines never fed to the error file as `batch_expired`, a chunk at a time,
         each chunk's lines and the cursor past them in one transaction."""
         chunk_i, offset = int(rec["chunk"]), int(rec["offset"])
@@ -379,6 +394,7 @@ class BatchDriver:
                     except (ValueError, AttributeError):
                         continue
             self.store.write_expired(rec["id"], lines, chunk_i + 1)
+            spill.added("err", len(lines))
             chunk_i, offset = chunk_i + 1, 0
             lock.reacquire()
 

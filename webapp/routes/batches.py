@@ -95,7 +95,7 @@ def file_content(file_id: str):
     """A file's content (JSONL), streamed."""
     files = current_batches().files
     files.meta(file_id, _owner())
-    return current_app.response_class(stream_with_context(files.chunks(file_id)), mimetype="application/octet-stream")
+    return current_app.response_class(stream_with_context(files.content(file_id)), mimetype="application/octet-stream")
 
 
 @bp.delete("/files/<file_id>")
