@@ -210,6 +210,13 @@ class BatchSettings(_Env):
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024, description="largest /v1/files upload, bytes")
     file_ttl: int = Field(7 * 86_400, ge=60, description="seconds a file (and a finished batch) is kept")
     batch_window: int = Field(256, ge=1, description="lines of one batch waiting or running at once")
+    batch_job_ttl: int = Field(
+        300,
+        ge=1,
+        description="seconds a batch line's jobs (their records and results) are kept once the line is written "
+        "to the batch's output or error file (never longer than GENQ_RESULT_TTL; a job with a callback_url: "
+        "at least GENQ_CALLBACK_DEADLINE), so that Redis holds no finished line for long",
+    )
     files_dir: str | None = Field(
         None,
         description="a directory (the same path in every API process: one host, or a shared volume) for the "

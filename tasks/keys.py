@@ -38,6 +38,15 @@ def stream(job_id: str) -> str:
     return f"{PREFIX}:stream:{job_id}"
 
 
+def job_keys(job_id: str) -> list[str]:
+    """The keys of one job that outlive it, each for GENQ_RESULT_TTL after it ends: its record,
+    its done stream, its token stream. Besides them, only the result backend's key of a failed
+    job (`celery.backend.get_key_for_task`), and seconds-long locks (`recovering`,
+    `republishing`). A settled batch line's jobs keep them for GENQ_BATCH_JOB_TTL instead
+    (webapp/batches/store.py `release_jobs`)."""
+    return [job(job_id), done(job_id), stream(job_id)]
+
+
 # A worker's answer to a /tokenize or /detokenize request (a list the API pops).
 def reply(request_id: str) -> str:
     return f"{PREFIX}:reply:{request_id}"

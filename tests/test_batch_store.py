@@ -13,6 +13,9 @@ import redis
 
 from tasks import keys
 from tasks.config import Settings
+from tasks.errors import JobError
+from tasks.schemas import JobStatus
+from tests.helpers import queued_job
 from webapp.batches.files import FileStore
 from webapp.batches.store import BatchStore
 from webapp.batches.validation import check_input
@@ -98,3 +101,42 @@ def test_the_input_check_names_a_gone_or_empty_file(stores):
     text = "".join(json.dumps(line) + "\n" for line in (LINES[0], {}, LINES[0]))
     errors, total = check_input(files, upload(files, text.replace("{}", "")), None, 1.0)
     assert [(e["code"], e["line"]) for e in errors] == [("duplicate_custom_id", 3)] and total == 2
+
+
+def test_release_jobs_shortens_every_key_a_job_left_and_never_lengthens_one(stores, store):
+    """A settled line's jobs (webapp/batches/driver.py `collect`): their record, done stream,
+    token stream and result backend key expire after the seconds given, unless due sooner; a
+    usage row (not a job's) and the keys of other jobs are left alone."""
+    _, batches = stores
+    r = batches.r
+    ok, failed, other = queued_job(store), queued_job(store), queued_job(store)
+    for job_id in (ok, failed, other):
+        store.start(job_id, "w", "tag")
+    assert store.succeed(ok, 1, '{"status": "SUCCESS"}', (3, 4, 0))
+    store.finish(failed, JobStatus.failed, JobError("internal", "boom"), fence=1)
+    store.finish(other, JobStatus.failed, JobError("internal", "boom"), fence=1)
+
+    def result_key(job_id: str) -> str:
+        return f"celery-task-meta-{job_id}"
+
+    for job_id in (failed, other):
+        r.set(result_key(job_id), "{}", ex=600)
+    r.xadd(keys.stream(ok), {"i": "0"})  # a token stream, here without a TTL at all
+    r.expire(keys.done(failed), 10)  # due sooner already: it stays so
+    usage = r.smembers(keys.USAGE)
+    rows = {row: r.ttl(keys.usage_row(row)) for row in usage}
+    assert all(0 < r.ttl(k) <= 600 for k in (keys.job(ok), keys.done(ok), keys.job(failed)))
+
+    # ok: record, done, stream (its result key does not exist); failed: record, result key.
+    assert batches.release_jobs({ok: 30, failed: 100, "job-gone": 30}, result_key) == 5
+    assert all(0 < r.ttl(k) <= 30 for k in (keys.job(ok), keys.done(ok), keys.stream(ok)))
+    assert not r.exists(result_key(ok), result_key("job-gone"), keys.job("job-gone"))
+    assert 30 < r.ttl(keys.job(failed)) <= 100 and 30 < r.ttl(result_key(failed)) <= 100
+    assert 0 < r.ttl(keys.done(failed)) <= 10
+    assert all(r.ttl(k) > 100 for k in (keys.job(other), keys.done(other), result_key(other)))
+    assert r.smembers(keys.USAGE) == usage and {row: r.ttl(keys.usage_row(row)) for row in usage} == rows
+    # Again, shorter than some: only those move; longer than all: none does.
+    assert batches.release_jobs({failed: 50}, result_key) == 2
+    assert batches.release_jobs({ok: 1000, failed: 1000}, result_key) == 0
+    assert 0 < r.ttl(keys.job(ok)) <= 30 and 0 < r.ttl(keys.job(failed)) <= 50
+    assert batches.release_jobs({}, result_key) == 0

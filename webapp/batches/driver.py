@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 
@@ -193,7 +194,9 @@ class BatchDriver:
     # -- collecting
 
     def collect(self, batch_id: str, stopping: str | None, spill: Spill) -> int:
-        """Settle the pending lines whose jobs all ended; returns how many."""
+        """Settle the pending lines whose jobs all ended; returns how many. A settled line's
+        jobs then expire after GENQ_BATCH_JOB_TTL (`job_ttl`), not GENQ_RESULT_TTL: a batch of
+        any size leaves no more of its lines in Redis than its last few minutes' worth."""
         entries = self.store.pending(batch_id)
         if not entries:
             return 0
@@ -206,14 +209,35 @@ class BatchDriver:
             if all(ended):
                 done.append(field)
         settled = 0
-        for field in done:
-            entry = entries[field]
-            kind, line, tokens = self.output_line(entry, self.store.job_records(entry["ids"]), stopping)
-            if self.store.settle(batch_id, field, kind, line, tokens):
-                settled += 1
-                if kind != "drop":
-                    spill.added(kind)
+        released: dict[str, int] = {}  # the jobs of the lines settled: job id -> their keys' seconds
+        try:
+            for field in done:
+                entry = entries[field]
+                jobs = self.store.job_records(entry["ids"])
+                kind, line, tokens = self.output_line(entry, jobs, stopping)
+                if self.store.settle(batch_id, field, kind, line, tokens):
+                    settled += 1
+                    released.update((job_id, self.job_ttl(jobs.get(job_id))) for job_id in entry["ids"])
+                    if kind != "drop":
+                        spill.added(kind)
+        finally:
+            if released:
+                self.store.release_jobs(released, self.result_key)
         return settled
+
+    def job_ttl(self, job: dict | None) -> int:
+        """How long a settled line's job is kept from now (GENQ_BATCH_JOB_TTL): its line holds
+        what anyone needs of it. A job with a callback_url keeps its record while its callback
+        may still be retried (GENQ_CALLBACK_DEADLINE)."""
+        ttl = self.settings.batch_job_ttl
+        if job and job.get("callback_url"):
+            ttl = max(ttl, math.ceil(self.settings.callback_deadline))
+        return ttl
+
+    def result_key(self, job_id: str) -> str | bytes:
+        """Where the result backend keeps a job's result that is not in its done stream (a
+        failure's: tasks/backend.py)."""
+        return self.service.celery.backend.get_key_for_task(job_id)
 
     def output_line(
         self, entry: dict, jobs: dict[str, dict], stopping: str | None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
@@ -92,6 +92,23 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[4])
 return 1
 """
 
+# Each key expires after ARGV[1] seconds, unless it is due sooner already (or gone): Redis 7's
+# `EXPIRE key seconds LT` on any Redis, and never a key's time lengthened. KEYS: the keys.
+# ARGV: seconds. Returns how many it shortened.
+SHORTEN = """
+local n = 0
+for _, key in ipairs(KEYS) do
+  local left = redis.call('TTL', key)
+  if left == -1 or left > tonumber(ARGV[1]) then
+    redis.call('EXPIRE', key, ARGV[1])
+    n = n + 1
+  end
+end
+return n
+"""
+# The most keys one SHORTEN call names (the calls of one `release_jobs` go in one round trip).
+SHORTEN_MAX = 1024
+
 # The most lines one flush writes (a flush loops until the list is empty).
 FLUSH_MAX = 4096
 PARTS = (("out", "output", "out_bytes"), ("err", "error", "err_bytes"))
@@ -105,6 +122,7 @@ class BatchStore:
         self._advance = client.register_script(ADVANCE)
         self._settle = client.register_script(SETTLE)
         self._flushed = client.register_script(FLUSHED)
+        self._shorten = client.register_script(SHORTEN)
 
     def create(self, req: BatchRequest, key: ApiKey | None) -> Batch:
         owner = owner_of(key)
@@ -300,6 +318,22 @@ class BatchStore:
                 args=[field, kind, line, *tokens],
             )
         )
+
+    def release_jobs(self, ttls: dict[str, int], result_key: Callable[[str], str | bytes]) -> int:
+        """The jobs of settled lines (job id -> seconds): every key each left (tasks/keys.py
+        `job_keys`, and `result_key(job_id)`, the result backend's) expires after its seconds,
+        or sooner if it was due sooner, in one round trip. Nothing else of the job: its tokens
+        are counted in usage already. Returns how many keys it shortened."""
+        by_ttl: dict[int, list] = {}
+        for job_id, ttl in ttls.items():
+            by_ttl.setdefault(ttl, []).extend([*keys.job_keys(job_id), result_key(job_id)])
+        if not by_ttl:
+            return 0
+        pipe = self.r.pipeline(transaction=False)
+        for ttl, names in by_ttl.items():
+            for i in range(0, len(names), SHORTEN_MAX):
+                self._shorten(keys=names[i : i + SHORTEN_MAX], args=[ttl], client=pipe)
+        return sum(pipe.execute())
 
     def write_expired(self, batch_id: str, lines: list[str], next_chunk: int) -> None:
         """Append the `batch_expired` error lines of one chunk's lines never fed, counted, and
