@@ -34,6 +34,9 @@ BOB = "sk-batch-bob-0123456789"
 CAPACITY = 16  # the worker's batch size: at most this many jobs run (or are prefetched) at once
 WINDOW = 64  # lines of one batch on the queue at once (GENQ_BATCH_WINDOW)
 MAX_FILE = 100_000  # GENQ_MAX_FILE_BYTES
+# GENQ_BATCH_JOB_TTL of the module's stacks (here and tests/test_batches_disk.py): a settled line's
+# jobs expire this long after it (the default, 300 s, in the other modules' stacks).
+BATCH_JOB_TTL = 120
 # The default heartbeat, as tests/test_recovery.py (the test stacks beat faster, to be quick).
 DEFAULT_BEAT = {"GENQ_HEARTBEAT_INTERVAL": "2", "GENQ_HEARTBEAT_TTL": "10"}
 
@@ -50,6 +53,7 @@ def bstack(make_module_stack):
         GENQ_API_WORKERS="2",
         GENQ_MAX_FILE_BYTES=str(MAX_FILE),
         GENQ_RESERVED_SLOTS="0",
+        GENQ_BATCH_JOB_TTL=str(BATCH_JOB_TTL),
     )
     s.start_api()
     s.start_worker()
@@ -107,6 +111,50 @@ def run_batch(stack, lines: list, key: str = ALICE, **kw):
     f = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h", **kw)
     return client, batch
+
+
+def job_keys_left(r, job_ids: set[str]) -> dict[str, int]:
+    """Every key in Redis whose name holds one of these job ids -> its TTL in seconds."""
+    names = [k for k in r.scan_iter(count=5000) if any(j in k for j in job_ids)]
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.ttl(name)
+    return dict(zip(names, pipe.execute()))
+
+
+def settled_jobs_expire_soon(stack, r, client: openai.OpenAI, headers: dict):
+    """A small batch (with an error line): once it completed, every key its lines' jobs left
+    (record, done stream, result) expires within GENQ_BATCH_JOB_TTL (BATCH_JOB_TTL), not
+    GENQ_RESULT_TTL (24 h), while the job still answers meanwhile and the output file is
+    whole and kept as long as files are. Returns the batch."""
+    n, body = 6, {"model": stack.name, "max_tokens": 3, "temperature": 0}
+    lines = [line(i, {**body, "prompt": prompt(i)}) for i in range(n)]
+    lines.append(line(n, {**body, "prompt": "x"}, url="/v1/embeddings"))  # an error line: no job
+    f = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    batch = wait_batch(client, batch.id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (n + 1, n, 1)
+    out = read_lines(client, batch.output_file_id)
+    assert sorted(o["custom_id"] for o in out) == [f"req-{i}" for i in range(n)]
+    assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["choices"][0]["text"] for o in out)
+    ids = {o["response"]["request_id"] for o in out}  # one job per line, its id
+    left = job_keys_left(r, ids)
+    assert {keys.job(j) for j in ids} | {keys.done(j) for j in ids} <= set(left), left
+    assert all(0 < ttl <= BATCH_JOB_TTL for ttl in left.values()), left
+    job = stack.get(f"/v1/jobs/{next(iter(ids))}", headers=headers).json()
+    assert job["status"] == "succeeded", job
+    assert read_lines(client, batch.output_file_id) == out
+    assert r.ttl(keys.file(batch.output_file_id)) > BATCH_JOB_TTL
+    return batch
+
+
+def test_a_settled_lines_jobs_expire_soon(bstack, r):
+    """Once a line is written, its jobs are no longer the batch's: they leave Redis after
+    GENQ_BATCH_JOB_TTL, so that a batch of any size holds no more of its finished lines there
+    than its last minutes' (webapp/batches/driver.py `collect`)."""
+    batch = settled_jobs_expire_soon(bstack, r, oai(bstack), auth())
+    assert r.ttl(keys.file_lines(batch.output_file_id)) > BATCH_JOB_TTL  # the output, in Redis here
 
 
 def test_openai_client_end_to_end_matches_single_jobs(bstack):

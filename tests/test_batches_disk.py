@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tasks import keys
-from tests.test_batches import jsonl, line, prompt, read_lines, wait_batch
+from tests.test_batches import BATCH_JOB_TTL, jsonl, line, prompt, read_lines, settled_jobs_expire_soon, wait_batch
 
 KEY = "sk-batch-disk-0123456789"
 FLUSH = 8  # GENQ_FILES_FLUSH_LINES
@@ -36,6 +36,7 @@ def dstack(make_module_stack, files_dir):
         GENQ_RESERVED_SLOTS="0",
         GENQ_FILES_DIR=files_dir,
         GENQ_FILES_FLUSH_LINES=str(FLUSH),
+        GENQ_BATCH_JOB_TTL=str(BATCH_JOB_TTL),
     )
     s.start_api()
     s.start_worker()
@@ -115,6 +116,14 @@ def test_a_batch_with_error_lines_runs_with_its_files_on_disk(dstack, r, files_d
     assert not os.path.exists(os.path.join(files_dir, f"{batch.output_file_id}.jsonl"))
     with pytest.raises(openai.NotFoundError):
         client.files.content(batch.output_file_id)
+
+
+def test_a_settled_lines_jobs_expire_soon_on_disk(dstack, r, files_dir):
+    """tests/test_batches.py's check with the output on disk: the lines' jobs leave Redis after
+    GENQ_BATCH_JOB_TTL, the output file stays whole on disk."""
+    client = oai(dstack)
+    batch = settled_jobs_expire_soon(dstack, r, client, {"Authorization": f"Bearer {KEY}"})
+    on_disk(r, files_dir, batch.output_file_id, client.files.content(batch.output_file_id).content)
 
 
 def test_cancel_on_disk(dstack, r, files_dir):
