@@ -297,7 +297,7 @@ class Peaks(threading.Thread):
 
 def redis_memory(r: redislib.Redis) -> dict:
     info = r.info("memory")
-    return {k: info[k] for k in ("used_memory", "used_memory_peak", "used_memory_rss")}
+    return {k: info[k] for k in ("used_memory", "used_memory_peak", "used_memory_rss")} | {"keys": r.dbsize()}
 
 
 def batch_run(args, model_dir: Path) -> dict:
@@ -420,6 +420,7 @@ def print_batch(res: dict) -> None:
         f"{res['rss_before']['api_rss'] / mib:.0f} / {pk['api_rss'] / mib:.0f} MiB | "
         f"{res['rss_before']['worker_rss'] / mib:.0f} / {pk['worker_rss'] / mib:.0f} MiB |"
     )
+    print(f"Redis keys before / after: {rb['keys']} / {ra['keys']}")
 
 
 def main(argv: list[str] | None = None) -> int:
