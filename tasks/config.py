@@ -211,11 +211,12 @@ class BatchSettings(_Env):
     file_ttl: int = Field(7 * 86_400, ge=60, description="seconds a file (and a finished batch) is kept")
     batch_window: int = Field(256, ge=1, description="lines of one batch waiting or running at once")
     batch_job_ttl: int = Field(
-        300,
-        ge=1,
+        60,
+        ge=0,
         description="seconds a batch line's jobs (their records and results) are kept once the line is written "
-        "to the batch's output or error file (never longer than GENQ_RESULT_TTL; a job with a callback_url: "
-        "at least GENQ_CALLBACK_DEADLINE), so that Redis holds no finished line for long",
+        "to the batch's output or error file (0: deleted then; never longer than GENQ_RESULT_TTL; a job with a "
+        "callback_url: at least GENQ_CALLBACK_DEADLINE): Redis holds the jobs of the lines a batch settled in "
+        "this long (some 7 KB a line), not its whole run's",
     )
     files_dir: str | None = Field(
         None,

@@ -140,3 +140,6 @@ def test_release_jobs_shortens_every_key_a_job_left_and_never_lengthens_one(stor
     assert batches.release_jobs({ok: 1000, failed: 1000}, result_key) == 0
     assert 0 < r.ttl(keys.job(ok)) <= 30 and 0 < r.ttl(keys.job(failed)) <= 50
     assert batches.release_jobs({}, result_key) == 0
+    # 0: gone at once (GENQ_BATCH_JOB_TTL=0).
+    assert batches.release_jobs({other: 0}, result_key) == 3
+    assert not r.exists(keys.job(other), keys.done(other), result_key(other))

@@ -35,7 +35,7 @@ CAPACITY = 16  # the worker's batch size: at most this many jobs run (or are pre
 WINDOW = 64  # lines of one batch on the queue at once (GENQ_BATCH_WINDOW)
 MAX_FILE = 100_000  # GENQ_MAX_FILE_BYTES
 # GENQ_BATCH_JOB_TTL of the module's stacks (here and tests/test_batches_disk.py): a settled line's
-# jobs expire this long after it (the default, 300 s, in the other modules' stacks).
+# jobs expire this long after it (the default, 60 s, in the other modules' stacks).
 BATCH_JOB_TTL = 120
 # The default heartbeat, as tests/test_recovery.py (the test stacks beat faster, to be quick).
 DEFAULT_BEAT = {"GENQ_HEARTBEAT_INTERVAL": "2", "GENQ_HEARTBEAT_TTL": "10"}
