@@ -110,9 +110,16 @@ class Stack:
         # The client's idle keep-alive connections first: gunicorn waits for them (up to its
         # keepalive, 5 s) before its workers exit.
         self.http.close()
-        for proc in self.procs:  # the workers all at once: each takes seconds to shut down
-            if proc.name.startswith("worker") and proc.alive():
+        # Everything at once: a worker's warm shutdown takes ~2 s (its engine, its threads'
+        # last Redis polls, its withdrawal from the registry). The API gets gunicorn's quick
+        # shutdown (SIGINT): its graceful one waited 2-5 s more for its own connections, per
+        # stack, and an API keeps no state of a job's (a test of a graceful API restart signals
+        # the process itself).
+        for proc in self.procs:
+            if proc.alive() and proc.name.startswith("worker"):
                 proc.signal(signal.SIGTERM)
+            elif proc.alive() and proc.name == "api":
+                proc.signal(signal.SIGINT)
         for proc in reversed(self.procs):
             proc.stop()
 
@@ -274,6 +281,34 @@ def reference(tiny_model):
         return tok.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
 
     return complete
+
+
+# The slowest modules first (seconds on a 2-core machine, `pytest --durations`): `make test`
+# hands whole modules to its processes in this order, and a slow one handed out last would run
+# on alone at the end while the other processes idle.
+SLOW_FIRST = (
+    "test_recovery.py",  # ~300 s: workers killed, hung, poisoned; Redis restarted
+    "test_lifecycle.py",  # ~220 s: `make run` started, killed and restarted whole
+    "test_llamacpp.py",  # ~150 s: two GGUF models loaded, a 250-token job beside others
+    "test_vllm.py",  # ~130 s: vLLM's engine takes 80 s to start on a CPU
+    "test_responses.py",  # ~120 s: a worker killed, Redis and the API restarted under responses
+    "test_sentinel.py",  # ~80 s: failovers under load
+    "test_fair.py",
+    "test_bench_smoke.py",
+    "test_reliability_smoke.py",
+    "test_bench_responses_compat_smoke.py",
+    "test_bench_vllm_smoke.py",
+    "test_stall.py",
+    "test_embeddings.py",
+    "test_batches.py",
+    "test_callbacks.py",
+    "test_tools.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as collected
 
 
 @pytest.hookimpl(hookwrapper=True)
