@@ -53,12 +53,9 @@ model-real: $(STAMP)
 run: $(STAMP) $(if $(findstring vllm,$(GENQ_ENGINES)),$(VLLM_STAMP)) $(if $(findstring llamacpp,$(GENQ_ENGINES)),llamacpp)
 	GENQ_ENGINES=$(GENQ_ENGINES) exec $(BIN)/python -m scripts.stack
 
-# Test modules run in TEST_WORKERS processes at once (pytest-xdist): a module's tests stay in one
-# (its stacks serve them all); each process has a Redis, ports and stacks of its own. Most of a
-# test's time is spent waiting on its processes, so more than the 2 cores' worth overlap.
-TEST_WORKERS ?= 3
+# --durations: CI's log names the 10 slowest tests.
 test: model $(VLLM_STAMP) llamacpp
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=10
+	$(BIN)/python -m pytest --durations=10
 
 # The product's tests alone: those marked `tooling` (compose, Docker, locust, bench harnesses,
 # docs text, dev checkpoint builders; pytest.ini) left out. CI runs `make test`, all of them.

@@ -283,34 +283,6 @@ def reference(tiny_model):
     return complete
 
 
-# The slowest modules first (seconds on a 2-core machine, `pytest --durations`): `make test`
-# hands whole modules to its processes in this order, and a slow one handed out last would run
-# on alone at the end while the other processes idle.
-SLOW_FIRST = (
-    "test_recovery.py",  # ~300 s: workers killed, hung, poisoned; Redis restarted
-    "test_lifecycle.py",  # ~220 s: `make run` started, killed and restarted whole
-    "test_llamacpp.py",  # ~150 s: two GGUF models loaded, a 250-token job beside others
-    "test_vllm.py",  # ~130 s: vLLM's engine takes 80 s to start on a CPU
-    "test_responses.py",  # ~120 s: a worker killed, Redis and the API restarted under responses
-    "test_sentinel.py",  # ~80 s: failovers under load
-    "test_fair.py",
-    "test_bench_smoke.py",
-    "test_reliability_smoke.py",
-    "test_bench_responses_compat_smoke.py",
-    "test_bench_vllm_smoke.py",
-    "test_stall.py",
-    "test_embeddings.py",
-    "test_batches.py",
-    "test_callbacks.py",
-    "test_tools.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as collected
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed test (or fixture) shows the last lines of the logs of the stacks it used: on CI

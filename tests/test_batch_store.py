@@ -143,3 +143,17 @@ def test_release_jobs_shortens_every_key_a_job_left_and_never_lengthens_one(stor
     # 0: gone at once (GENQ_BATCH_JOB_TTL=0).
     assert batches.release_jobs({other: 0}, result_key) == 3
     assert not r.exists(keys.job(other), keys.done(other), result_key(other))
+
+
+def test_a_batch_is_flushed_at_its_creators_threshold_whoever_drives_it(redis_url, tmp_path):
+    """GENQ_FILES_DIR and GENQ_FILES_FLUSH_LINES are the creating process's, recorded with the
+    batch: another API process on the same Redis (other settings) drives it by them."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    creator = Settings(files_dir=str(tmp_path), files_flush_lines=8)
+    files = FileStore(client, creator)
+    batch_id = new_batch(files, BatchStore(client, creator, files))
+    other = Settings(files_flush_lines=256)  # no GENQ_FILES_DIR either
+    driver = BatchStore(client, other, FileStore(client, other))
+    spill = driver.spill(driver.record(batch_id))
+    assert (spill.root, spill.limit) == (str(tmp_path), 8)
+    client.close()

@@ -153,6 +153,7 @@ class BatchStore:
             "key_weight": "" if key is None else key.weight,
             # Where its output goes as it runs ("": in Redis till it ends), for whoever drives it.
             "files_dir": self.files.dir,
+            "files_flush_lines": self.settings.files_flush_lines,  # the creator's, as files_dir
         }
         seq = self.r.incr(keys.BATCHES_SEQ)
         pipe = self.r.pipeline()
@@ -353,7 +354,8 @@ class BatchStore:
     def spill(self, rec: dict) -> Spill:
         """The driver's tally of the lines one step adds to a batch's `out` and `err`, which
         flushes a list to disk once it holds GENQ_FILES_FLUSH_LINES (a batch in Redis: none)."""
-        return Spill(self, rec["id"], rec.get("files_dir") or "", self.settings.files_flush_lines)
+        limit = int(rec.get("files_flush_lines") or self.settings.files_flush_lines)
+        return Spill(self, rec["id"], rec.get("files_dir") or "", limit)
 
     def list_lengths(self, batch_id: str) -> dict[str, int]:
         pipe = self.r.pipeline(transaction=False)
