@@ -100,7 +100,7 @@ class EngineSettings(_Env):
     )
     packed_linears: bool = Field(
         True,
-        description="hf engine: linear layers through oneDNN with weights packed at load "
+        description="hf and embed engines: linear layers through oneDNN with weights packed at load "
         "(worker/engines/packed.py); false: PyTorch's nn.Linear",
     )
     background_step_every: int = Field(
@@ -158,8 +158,9 @@ class EngineSettings(_Env):
     embed_batch_tokens: int = Field(
         4096,
         ge=16,
-        description="embed engine: tokens one forward takes at most, padding counted (rows x the longest); "
-        "the inputs of every job waiting are packed into forwards of this size, shortest first",
+        description="embed engine: tokens one forward takes at most (the inputs' own where it runs without "
+        "padding, else rows x the longest); the oldest jobs' inputs are packed into forwards of this size, "
+        "shortest first",
     )
     vllm_enforce_eager: bool = Field(True, description="no graph capture/compilation (CPU: no gain)")
     vllm_kv_cache_gib: int = Field(1, ge=1, description="vLLM's KV cache on CPU, GiB")

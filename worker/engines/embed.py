@@ -6,9 +6,13 @@ Each job (one /v1/embeddings request, or batch line) carries many inputs. The Ce
 threads tokenize their job's inputs and check them (length, token ids, `dimensions`), then
 hand them to one scheduler thread. That thread takes the inputs of the oldest jobs waiting
 (about two forwards' worth), sorts them by length and runs them in forwards of at most
-GENQ_EMBED_BATCH_TOKENS padded tokens (rows x the longest), so that many small requests
-share forwards as one big batch would. A job's result, its vectors as base64 float32, is set
-once its last input is done.
+GENQ_EMBED_BATCH_TOKENS tokens, so that many small requests share forwards as one big batch
+would. A job's result, its vectors as base64 float32, is set once its last input is done.
+
+On a CPU the scheduler thread packs the linear layers for oneDNN (worker/engines/packed.py,
+as the hf engine does) and, where the model allows, runs forwards without padding
+(worker/engines/varlen.py): the budget then counts the inputs' tokens, else rows x the
+longest. `GENQ_DTYPE=auto` is bfloat16 on CPUs that compute it natively (dtype.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 
 from tasks.config import Settings
 from tasks.schemas import GenerationResult, JobSpec
+from worker.engines import dtype as dtypes
+from worker.engines import varlen
 from worker.engines.base import Engine, GenerationError, JobCancelled
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,13 @@ def matryoshka_dims(model_dir: str) -> list[int] | None:
     if isinstance(dims, list) and dims:
         return sorted(int(d) for d in dims)
     return [] if config.get("is_matryoshka") else None
+
+
+# Inputs a packed forward must embed as the padded one does before the engine uses it: short
+# and long, repeated lengths (a run of equal lengths is one attention call).
+SAMPLE = ["hi", "x", "A queue of jobs.", "A queue of jobs!", "Served by long-lived workers, " * 3] + [
+    " ".join(["word"] * n) for n in (5, 9, 9, 17, 40)
+]
 
 
 @dataclass(eq=False)
@@ -72,7 +85,9 @@ class EmbedEngine(Engine):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(settings.dtype, torch.float32)
+        name, why = dtypes.resolve(settings.dtype, gpu=device != "cpu")
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+        log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
         self.st = SentenceTransformer(settings.model, device=device, local_files_only=True)
         if dtype is not torch.float32:
             self.st.to(dtype)
@@ -85,12 +100,16 @@ class EmbedEngine(Engine):
         self.matryoshka = matryoshka_dims(settings.model)
         self.vocab = len(self.tok)
         self.budget = settings.embed_batch_tokens
+        self._pack_linears = settings.packed_linears and device == "cpu"
+        self._packer: varlen.Packer | None = None  # set by the scheduler thread where it can
         self._cond = threading.Condition()
         self._waiting: list[_Job] = []
         self._jobs: dict[str, _Job] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="genq-embed", daemon=True)
+        self._ready = threading.Event()
         self._thread.start()
+        self._ready.wait()
         log.info(
             "embedding model: %d dimensions, inputs of at most %d tokens, Matryoshka %s",
             self.dimension,
@@ -205,7 +224,30 @@ class EmbedEngine(Engine):
         else:
             job.future.set_result(outcome)
 
+    def _prepare(self) -> None:
+        """On the thread that runs the model (packed weights are fastest used where packed;
+        packed.pack): the linear layers packed, and the forward without padding where the
+        model gives the same vectors that way."""
+        encoder = varlen.encoder(self.st)
+        if self._pack_linears and encoder is not None:
+            from worker.engines import packed
+
+            log.info("linear layers: %s", packed.pack(encoder))
+        sample = self.tokenize(SAMPLE, -1)
+        sample.sort(key=len)
+        with self.torch.inference_mode():
+            self._packer, why = varlen.Packer.install(
+                self.st, self.tok.pad_token_id, self._padded, sample, self.max_model_len
+            )
+        log.info("forwards: %s", why)
+
     def _loop(self) -> None:
+        try:
+            self._prepare()
+        except Exception:  # noqa: BLE001 - the padded forward of the model as loaded still serves
+            log.exception("preparing the model's forward failed; it runs as loaded")
+        finally:
+            self._ready.set()
         while True:
             with self._cond:
                 while not self._waiting and not self._closed:
@@ -259,24 +301,30 @@ class EmbedEngine(Engine):
         return jobs
 
     def _chunks(self, items: list[tuple[_Job, int]]):
-        """Runs of `items` (sorted by length) whose padded size fits the token budget."""
+        """Runs of `items` (sorted by length) whose size fits the token budget: their tokens
+        (packed forwards), else rows x the longest (padded)."""
         chunk: list[tuple[_Job, int]] = []
+        tokens = 0
         for item in items:
             n = len(item[0].ids[item[1]])
-            if chunk and (len(chunk) + 1) * n > self.budget:
+            size = tokens + n if self._packer is not None else (len(chunk) + 1) * n
+            if chunk and size > self.budget:
                 yield chunk
-                chunk = []
+                chunk, tokens = [], 0
             chunk.append(item)
+            tokens += n
         if chunk:
             yield chunk
 
     def _forward(self, rows: list[list[int]]):
-        torch = self.torch
+        """The vectors of `rows` (sorted by length, shortest first)."""
+        with self.torch.inference_mode():
+            return self._packer(rows) if self._packer is not None else self._padded(rows)
+
+    def _padded(self, rows: list[list[int]]):
         features = self.tok.pad({"input_ids": rows}, padding=True, return_tensors="pt")
         features = {k: v.to(self.device) for k, v in features.items()}
-        with torch.inference_mode():
-            out = self.st(features)["sentence_embedding"]
-        return list(out.float().cpu())
+        return list(self.st(features)["sentence_embedding"].float().cpu())
 
     def _result(self, job: _Job) -> GenerationResult:
         torch = self.torch
