@@ -56,7 +56,7 @@ def sentences(n: int, seed: int = 0) -> list[str]:
 class Encoder:
     """sentence-transformers' own encode, in this process."""
 
-    def __init__(self, model_dir: Path, batch: int, threads: int):
+    def __init__(self, model_dir: Path, batch: int, threads: int, dtype: str = "float32"):
         import torch
         from sentence_transformers import SentenceTransformer
 
@@ -64,6 +64,7 @@ class Encoder:
             torch.set_num_threads(threads)
         self.batch = batch
         self.st = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
+        self.st.to(getattr(torch, dtype))
 
     def vectors(self, texts: list[str]) -> np.ndarray:
         return self.st.encode(texts, batch_size=self.batch)
@@ -140,6 +141,7 @@ def start_genqueue(model_dir: Path, name: str, args, procs: list, redis_url: str
         "GENQ_PORT": str(port),
         "GENQ_HOST": "127.0.0.1",
         "GENQ_TORCH_THREADS": str(args.threads),
+        "GENQ_DTYPE": args.dtype,
     }
     base = f"http://127.0.0.1:{port}"
     procs.append(stackmod.Proc("api", stackmod.api_argv(), env, LOGS / "embed-api.log"))
@@ -152,17 +154,17 @@ def start_genqueue(model_dir: Path, name: str, args, procs: list, redis_url: str
     return base
 
 
-def vllm_argv(model_dir: Path, port: int) -> list[str]:
-    """vLLM's OpenAI server as bench.vllm starts it (eager, float32 here), as a pooling model."""
+def vllm_argv(model_dir: Path, port: int, dtype: str = "float32") -> list[str]:
+    """vLLM's OpenAI server as bench.vllm starts it (eager), as a pooling model."""
     argv = [stackmod.worker_argv("vllm")[0], "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-    argv += ["--runner", "pooling", "--enforce-eager", "--dtype", "float32", "--host", "127.0.0.1"]
+    argv += ["--runner", "pooling", "--enforce-eager", "--dtype", dtype, "--host", "127.0.0.1"]
     return argv + ["--port", str(port), "--disable-log-stats", "--disable-uvicorn-access-log"]
 
 
-def start_vllm(model_dir: Path, procs: list) -> tuple[str, str, float, str]:
+def start_vllm(model_dir: Path, procs: list, dtype: str = "float32") -> tuple[str, str, float, str]:
     """vLLM's pooling server, appended to `procs`: (base URL, its model id, start-up s, command)."""
     port = stackmod.free_port()
-    argv = vllm_argv(model_dir, port)
+    argv = vllm_argv(model_dir, port, dtype)
     log = LOGS / "embed-vllm.log"
     log.unlink(missing_ok=True)
     t0 = time.monotonic()
@@ -181,7 +183,7 @@ def start_vllm(model_dir: Path, procs: list) -> tuple[str, str, float, str]:
 
 
 def compare(args, model_dir: Path, texts: list[str]) -> dict:
-    enc = Encoder(model_dir, args.batch, args.threads)
+    enc = Encoder(model_dir, args.batch, args.threads, args.dtype)
     enc.vectors(texts[: args.batch])  # warm up
     ref = enc.vectors(texts[:CHECKED])
     redis = stackmod.PrivateRedis()
@@ -193,7 +195,7 @@ def compare(args, model_dir: Path, texts: list[str]) -> dict:
         gq = start_genqueue(model_dir, name, args, procs, redis.url)
         systems["genqueue"] = {"base": gq, "model": name}
         if args.vllm:
-            vbase, vmodel, startup, cmd = start_vllm(model_dir, procs)
+            vbase, vmodel, startup, cmd = start_vllm(model_dir, procs, args.dtype)
             systems["vllm"] = {"base": vbase, "model": vmodel, "startup_s": startup, "command": cmd}
             print(f"vLLM's pooling server ready after {startup:.0f} s", flush=True)
         warm = texts[: args.clients * args.inputs]
@@ -238,6 +240,7 @@ def compare(args, model_dir: Path, texts: list[str]) -> dict:
         "machine": machine_facts(),
         "worker_env": args.worker_env,
         "threads": args.threads,
+        "dtype": args.dtype,
     }
     if args.vllm:
         res["vllm_ratio"] = med["genqueue"] / med["vllm"]
@@ -394,7 +397,7 @@ def check_output(base: str, batch: dict, texts: list[str], model_dir: Path, args
                 got[i] = decode(line["response"]["body"]["data"][0])
     read_s = time.perf_counter() - t0
     missing = n - sum(seen)
-    enc = Encoder(model_dir, args.batch, args.threads)
+    enc = Encoder(model_dir, args.batch, args.threads, args.dtype)
     idx = sorted(got)
     low = float(cosines(np.stack([got[i] for i in idx]), enc.vectors([texts[i] for i in idx])).min()) if idx else 0.0
     out = {"lines": count, "missing": missing, "bad": bad, "spot_checked": len(idx), "min_cosine": low}
@@ -434,6 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="encode's batch size")
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads of encode and of the worker alike (0: torch's default)"
+    )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the weights' dtype in every system alike (encode, genqueue's GENQ_DTYPE, vLLM's --dtype)",
     )
     ap.add_argument("--worker-env", action="append", default=[], metavar="K=V", help="an extra worker setting")
     ap.add_argument(
