@@ -21,8 +21,9 @@ from tasks.schemas import PRIORITY_MAX, JobStatus
 from webapp import embeddings
 from webapp.auth import ApiKey
 from webapp.batches.files import chunk_lines, now
+from webapp.batches.ondisk import Spill
 from webapp.batches.output import expired_line, response_line
-from webapp.batches.store import FINAL, BatchStore, LockError, Spill
+from webapp.batches.store import FINAL, BatchStore, LockError
 from webapp.batches.validation import check_input
 from webapp.completions import CompletionService, Submitted
 from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status
