@@ -7,8 +7,6 @@ records and heartbeats and through Celery only to publish the job message.
 from __future__ import annotations
 
 import logging
-import select
-import socket
 import threading
 import time
 import uuid
@@ -34,38 +32,13 @@ from tasks.schemas import ChatOptions, EmbedOptions, JobSpec, JobStatus, Samplin
 from tasks.streams import StreamEnd, TokenEvent, follow
 from webapp.auth import ApiKey
 from webapp.errors import BROKER_ERRORS, BROKER_UNAVAILABLE, APIError, job_error_status, owned
+from webapp.hangup import ClientGone, client_gone
 from webapp.protocol.jobs import Scheduling
 
 log = logging.getLogger(__name__)
 
 # How long the list of live workers is reused before Redis is asked again.
 WORKERS_CACHE_S = 1.0
-
-
-class ClientGone(Exception):
-    """The client of a blocking call closed its connection."""
-
-
-def client_gone(environ: dict | None) -> Callable[[], bool] | None:
-    """A check whether this request's client has closed its connection, or None where the
-    server does not tell (gunicorn puts the client socket in the environ; the test client and
-    other servers do not). A readable socket that reads end-of-file (or fails) is closed; one
-    that merely has the client's next request waiting is not, nor one that cannot be peeked
-    at (TLS)."""
-    sock = (environ or {}).get("gunicorn.socket")
-    if sock is None:
-        return None
-
-    def gone() -> bool:
-        try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            return bool(readable) and not sock.recv(1, socket.MSG_PEEK)
-        except ValueError:
-            return False
-        except OSError:
-            return True
-
-    return gone
 
 
 # Where create_app keeps the app's JobService (app.extensions[EXTENSION]).

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from flask import Response, has_request_context, request
 
 from tasks.streams import Restart, StreamEnd, TokenEvent
-from webapp.service import client_gone
+from webapp.hangup import client_gone
 
 
 def event(data, event: str | None = None, id: int | str | None = None) -> str:

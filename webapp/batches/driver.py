@@ -22,11 +22,11 @@ from webapp import embeddings
 from webapp.auth import ApiKey
 from webapp.batches.files import chunk_lines, now
 from webapp.batches.ondisk import Spill
-from webapp.batches.output import expired_line, response_line
+from webapp.batches.output import expired_line, output_line, response_line
 from webapp.batches.store import FINAL, BatchStore, LockError
 from webapp.batches.validation import check_input
-from webapp.completions import CompletionService, Submitted
-from webapp.errors import BROKER_ERRORS, APIError, describe, error_body, job_error_status
+from webapp.completions import CompletionService
+from webapp.errors import BROKER_ERRORS, APIError, describe, error_body
 from webapp.protocol.chat import ChatCompletionRequest
 from webapp.protocol.completions import CompletionRequest
 from webapp.protocol.embeddings import EmbeddingRequest
@@ -215,7 +215,7 @@ class BatchDriver:
             for field in done:
                 entry = entries[field]
                 jobs = self.store.job_records(entry["ids"])
-                kind, line, tokens = self.output_line(entry, jobs, stopping)
+                kind, line, tokens = output_line(entry, jobs, stopping, self.job_result, self.completions)
                 if self.store.settle(batch_id, field, kind, line, tokens):
                     settled += 1
                     released.update((job_id, self.job_ttl(jobs.get(job_id))) for job_id in entry["ids"])
@@ -235,50 +235,14 @@ class BatchDriver:
             ttl = max(ttl, math.ceil(self.settings.callback_deadline))
         return ttl
 
+    def job_result(self, job_id: str):
+        """A job's result from the result backend (None where it is gone)."""
+        return self.service.celery.AsyncResult(job_id).result
+
     def result_key(self, job_id: str) -> str | bytes:
         """Where the result backend keeps a job's result that is not in its done stream (a
         failure's: tasks/backend.py)."""
         return self.service.celery.backend.get_key_for_task(job_id)
-
-    def output_line(
-        self, entry: dict, jobs: dict[str, dict], stopping: str | None
-    ) -> tuple[str, str, tuple[int, int, int]]:
-        """('out' | 'err' | 'drop', the output line, (prompt, completion, cached tokens)). A
-        line whose job the batch's end cancelled is dropped (cancelled) or a `batch_expired`
-        error line (expired), as OpenAI writes them."""
-        results, error = [], None
-        for job_id in entry["ids"]:
-            job = jobs.get(job_id)
-            if not job:
-                error = {"code": "lost", "message": f"job {job_id} is gone (its record expired)"}
-                break
-            if job["status"] != JobStatus.succeeded.value:
-                if job.get("error"):
-                    error = json.loads(job["error"])
-                else:
-                    error = {"code": job["status"], "message": f"job {job['status']}"}
-                break
-            result = self.service.celery.AsyncResult(job_id).result
-            if not isinstance(result, dict):
-                error = {"code": "lost", "message": f"the result of job {job_id} is gone"}
-                break
-            results.append(result)
-        if error is not None and stopping and error.get("code") in ("cancelled", "expired"):
-            if stopping == "expired":
-                return "err", expired_line(entry["custom_id"]), (0, 0, 0)
-            return "drop", "", (0, 0, 0)
-        if error is not None:
-            status = job_error_status(error["code"])
-            body = error_body(status, error["code"], error["message"])
-            return "err", response_line(entry["custom_id"], status, entry["ids"][0], body), (0, 0, 0)
-        if entry.get("api") == "embeddings":
-            body = embeddings.body(entry, results[0])
-            tokens = (body["usage"]["prompt_tokens"], 0, 0)
-            return "out", response_line(entry["custom_id"], 200, entry["ids"][0], body), tokens
-        body = self.completions.body(Submitted.from_entry(entry), results)
-        usage = body["usage"]
-        tokens = (usage["prompt_tokens"], usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
-        return "out", response_line(entry["custom_id"], 200, entry["ids"][0], body), tokens
 
     # -- feeding
 
