@@ -161,14 +161,17 @@ def vllm_argv(model_dir: Path, port: int, dtype: str = "float32") -> list[str]:
     return argv + ["--port", str(port), "--disable-log-stats", "--disable-uvicorn-access-log"]
 
 
-def start_vllm(model_dir: Path, procs: list, dtype: str = "float32") -> tuple[str, str, float, str]:
+def start_vllm(
+    model_dir: Path, procs: list, dtype: str = "float32", extra_env: dict[str, str] | None = None
+) -> tuple[str, str, float, str]:
     """vLLM's pooling server, appended to `procs`: (base URL, its model id, start-up s, command)."""
     port = stackmod.free_port()
     argv = vllm_argv(model_dir, port, dtype)
     log = LOGS / "embed-vllm.log"
     log.unlink(missing_ok=True)
     t0 = time.monotonic()
-    proc = stackmod.Proc("vllm", argv, {"VLLM_CPU_KVCACHE_SPACE": VLLM_KV_CACHE_GIB, "HF_HUB_OFFLINE": "1"}, log)
+    env = {"VLLM_CPU_KVCACHE_SPACE": VLLM_KV_CACHE_GIB, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+    proc = stackmod.Proc("vllm", argv, env, log)
     procs.append(proc)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -178,7 +181,8 @@ def start_vllm(model_dir: Path, procs: list, dtype: str = "float32") -> tuple[st
         print(f"vLLM's pooling server did not start; the end of {log}:\n{tail}", flush=True)
         raise
     model = json.loads(stackmod.http_get(base + "/v1/models")[1])["data"][0]["id"]
-    cmd = "VLLM_CPU_KVCACHE_SPACE=1 python " + " ".join(shlex.quote(x) for x in argv[1:] if x != str(port))
+    cmd = " ".join(f"{k}={v}" for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}.items())
+    cmd += " python " + " ".join(shlex.quote(x) for x in argv[1:] if x != str(port))
     return base, model, time.monotonic() - t0, cmd
 
 
@@ -195,7 +199,8 @@ def compare(args, model_dir: Path, texts: list[str]) -> dict:
         gq = start_genqueue(model_dir, name, args, procs, redis.url)
         systems["genqueue"] = {"base": gq, "model": name}
         if args.vllm:
-            vbase, vmodel, startup, cmd = start_vllm(model_dir, procs, args.dtype)
+            venv = dict(kv.split("=", 1) for kv in args.vllm_env)
+            vbase, vmodel, startup, cmd = start_vllm(model_dir, procs, args.dtype, venv)
             systems["vllm"] = {"base": vbase, "model": vmodel, "startup_s": startup, "command": cmd}
             print(f"vLLM's pooling server ready after {startup:.0f} s", flush=True)
         warm = texts[: args.clients * args.inputs]
@@ -241,6 +246,7 @@ def compare(args, model_dir: Path, texts: list[str]) -> dict:
         "worker_env": args.worker_env,
         "threads": args.threads,
         "dtype": args.dtype,
+        "vllm_env": args.vllm_env,
     }
     if args.vllm:
         res["vllm_ratio"] = med["genqueue"] / med["vllm"]
@@ -447,6 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-env", action="append", default=[], metavar="K=V", help="an extra worker setting")
     ap.add_argument(
         "--vllm", action="store_true", help="also vLLM's pooling server (.venv-vllm) on the same checkpoint"
+    )
+    ap.add_argument(
+        "--vllm-env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="an extra setting of vLLM's server (VLLM_CPU_OMP_THREADS_BIND=0-1: its engine on both cores)",
     )
     ap.add_argument("--batch-lines", type=int, default=0, help="measure a Batch API run of this many lines instead")
     ap.add_argument(

@@ -124,7 +124,8 @@ class Packer:
         return packer, f"packed, no padding (lowest cosine to the padded forward {worst:.7f})"
 
     def __call__(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        """The vectors of `rows`, which must come sorted by length (shortest first)."""
+        """The vectors of `rows`, in any order (sorted by length, equal lengths are adjacent and
+        each run of them is one attention call)."""
         lengths = [len(r) for r in rows]
         device = next(self.model.parameters()).device
         ids = torch.tensor([t for r in rows for t in r], device=device).unsqueeze(0)
