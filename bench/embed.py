@@ -182,7 +182,7 @@ def start_vllm(
         raise
     model = json.loads(stackmod.http_get(base + "/v1/models")[1])["data"][0]["id"]
     cmd = " ".join(f"{k}={v}" for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}.items())
-    cmd += " python " + " ".join(shlex.quote(x) for x in argv[1:] if x != str(port))
+    cmd += " python " + shlex.join("PORT" if x == str(port) else x for x in argv[1:])
     return base, model, time.monotonic() - t0, cmd
 
 
