@@ -14,6 +14,7 @@ from flask import Response
 from webapp import sse
 from webapp.errors import error_body, job_error_status
 from webapp.parsers import REASONING_FIELD
+from webapp.parsers.output import deltas
 from webapp.protocol import chat, common, messages
 from webapp.protocol.completions import choice, completion
 from webapp.protocol.output import finish_reason
@@ -119,12 +120,8 @@ class ChatRelay(Relay):
         """A choice's text through its parser: a chunk per event (the text's logprobs on the
         first, or on a chunk of their own while the parser holds the text back), and at the
         end a chunk with the finish reason."""
-        stream = self.parsers[i]
-        events = stream.feed(text) if text else []
-        if finish:
-            events += stream.finish()
-        out = []
-        for ev in events:
+        stream, out = self.parsers[i], []
+        for ev in stream.step(text, bool(finish)):
             delta = chat.Delta.model_validate(ev.delta())
             out.append(self._event([chat.ChatStreamChoice(index=i, delta=delta, logprobs=lp)]))
             lp = None
@@ -168,15 +165,8 @@ class MessagesRelay:
         return [self._event("message_start", message=start)]
 
     def token(self, _job_id, ev) -> str:
-        if self.parser is None:
-            deltas = [{"content": ev.text}] if ev.text else []
-        else:
-            found = self.parser.feed(ev.text) if ev.text else []
-            if ev.finish:
-                found += self.parser.finish()
-            deltas = [e.delta() for e in found]
         out: list[str] = []
-        for d in deltas:
+        for d in deltas(self.parser, ev.text, bool(ev.finish)):
             if d.get("content"):
                 if self.text_block is None:
                     self.text_block, self.blocks = self.blocks, self.blocks + 1

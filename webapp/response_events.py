@@ -14,6 +14,7 @@ from tasks.streams import Restart, StreamEnd
 from webapp import sse
 from webapp.completions import Submitted, chat_choice
 from webapp.parsers import REASONING_FIELD
+from webapp.parsers.output import deltas
 from webapp.protocol import responses as proto
 from webapp.protocol.common import cached_tokens
 
@@ -198,15 +199,8 @@ class ResponseEvents:
 
     def token(self, _job_id, ev) -> str:
         self.text += ev.text
-        if self.parser is None:
-            deltas = [{"content": ev.text}] if ev.text else []
-        else:
-            events = self.parser.feed(ev.text) if ev.text else []
-            if ev.finish:
-                events += self.parser.finish()
-            deltas = [e.delta() for e in events]
         out: list[str] = []
-        for d in deltas:
+        for d in deltas(self.parser, ev.text, bool(ev.finish)):
             if d.get(REASONING_FIELD):
                 out += self._piece("reasoning", d[REASONING_FIELD])
             if d.get("content"):

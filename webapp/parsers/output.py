@@ -62,3 +62,16 @@ class OutputStream:
 
     def finish(self) -> list[Event]:
         return self._through_tools(self.reasoning.finish() if self.reasoning else [], end=True)
+
+    def step(self, delta: str, end: bool) -> list[Event]:
+        """One token event's: `feed(delta)` and, at the stream's end, `finish()`."""
+        events = self.feed(delta) if delta else []
+        return events + self.finish() if end else events
+
+
+def deltas(stream: OutputStream | None, delta: str, end: bool) -> list[dict]:
+    """A token event's chat deltas (`content`, reasoning, `tool_calls`): through `stream`, or
+    the text as content where the output has no parser."""
+    if stream is None:
+        return [{"content": delta}] if delta else []
+    return [e.delta() for e in stream.step(delta, end)]
