@@ -7,10 +7,13 @@ the benchmarks share. scripts/stack.py re-exports every name; docs/design.md, "T
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
+import runpy
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -21,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = [
     "ROOT",
+    "Preloaded",
     "Proc",
     "communicate_or_stop",
     "free_port",
@@ -84,13 +88,124 @@ def stop_with_parent() -> int:
     return parent
 
 
+class Preloaded:
+    """A fork server (multiprocessing's) that imported `modules` once, and children forked from
+    it that run `python -m <module> ...` as a process started afresh would, less the time of
+    those imports: the tests start ~100 workers, and importing torch and transformers is ~4 s
+    of each start (docs/benchmarks.md, "`make test` wall time"). Only modules whose import
+    reads no setting of ours belong in `modules`: a child gets its own environment after the
+    fork. `stop()` ends the fork server (its children are stopped by their `Proc`)."""
+
+    def __init__(self, modules: list[str]):
+        self.modules = modules
+        self.ctx: multiprocessing.context.ForkServerContext | None = None
+
+    def runs(self, argv: list[str]) -> bool:
+        """Whether `argv` is `python -m <module> ...` of this interpreter (what a child of the
+        fork server can run)."""
+        return len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m"
+
+    def warm(self) -> None:
+        """Start the fork server, if not yet: its imports (~5 s) run beside what the caller does
+        next (an API's start), and the first child waits only for what is left of them."""
+        if self.ctx is None:
+            self.ctx = multiprocessing.get_context("forkserver")
+            self.ctx.set_forkserver_preload(self.modules)
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+
+    def start(self, argv: list[str], env: dict[str, str], log: Path) -> _Forked:
+        self.warm()
+        process = self.ctx.Process(target=_run_module, args=(argv, env, str(log)), daemon=True)
+        process.start()
+        return _Forked(process, argv)
+
+    def stop(self) -> None:
+        if self.ctx is None:
+            return
+        from multiprocessing import forkserver, resource_tracker
+
+        forkserver._forkserver._stop()
+        resource_tracker._resource_tracker._stop()
+        self.ctx = None
+
+
+class _Forked:
+    """The part of `subprocess.Popen` that `Proc` uses, for a child of a `Preloaded` server:
+    returned once the child leads a session of its own (as `start_new_session=True`)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, argv: list[str]):
+        self.process, self.args, self.pid, self.returncode = process, argv, process.pid, None
+        deadline = time.monotonic() + 10
+        while self.poll() is None and _pgid(self.pid) != self.pid and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _run_module(argv: list[str], env: dict[str, str], log: str) -> None:
+    """In a child of the fork server: what `Popen(argv, env=env, cwd=ROOT, stdout=log,
+    stderr=STDOUT, stdin=DEVNULL, start_new_session=True)` with `_die_with_parent` would do,
+    then `python -m argv[2] argv[3:]`."""
+    os.setsid()
+    if _prctl is not None:  # the fork server's death (it dies with the tests) kills this one
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    sys.argv = [argv[0], *argv[3:]]
+    import atexit
+
+    try:
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    finally:
+        atexit._run_exitfuncs()  # multiprocessing's child ends in os._exit, which runs none
+
+
 class Proc:
     """A child process in its own process group, stopped with SIGTERM, then SIGKILL; it dies
-    with the process that started it."""
+    with the process that started it. With `preloaded` (and a `log`), `python -m` commands of
+    this interpreter are forked from that server instead of started afresh."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        preloaded: Preloaded | None = None,
+    ):
         self.name = name
         self.log = log
+        if preloaded is not None and log is not None and preloaded.runs(argv):
+            self.popen = preloaded.start(argv, {**os.environ, **(env or {})}, log)
+            return
         out = open(log, "ab") if log else None
         self.popen = subprocess.Popen(
             argv,

@@ -22,6 +22,7 @@ from pathlib import Path
 # The pieces, re-exported: the tests and benchmarks use them as `stack.Proc`, `stack.wait_until`...
 from scripts.processes import (
     ROOT,
+    Preloaded,
     Proc,
     communicate_or_stop,
     free_port,
@@ -39,6 +40,7 @@ __all__ = [
     "TINY_MODEL_DIR",
     "VLLM_VENV",
     "WORKER_COMMAND",
+    "Preloaded",
     "PrivateRedis",
     "Proc",
     "Restarting",

@@ -31,6 +31,14 @@ from scripts import stack  # noqa: E402
 os.environ.setdefault("GENQ_DTYPE", "float32")
 
 
+# Workers of the stacks below are forked from a server that imported these once (~4 s of each
+# worker's start; scripts/processes.py, `Preloaded`): libraries only, none of ours, whose
+# import reads none of genqueue's settings. Stopped at the session's end.
+PRELOADED = stack.Preloaded(
+    ["torch", "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto", "celery"]
+)
+
+
 @pytest.fixture(scope="session")
 def redis_url():
     url = os.environ.get("REDIS_URL")
@@ -79,6 +87,7 @@ class Stack:
             **env,
         }
         self.procs: list[stack.Proc] = []
+        PRELOADED.warm()
         self.http = requests.Session()
         adapter = requests.adapters.HTTPAdapter(pool_maxsize=64)
         self.http.mount("http://", adapter)
@@ -93,7 +102,7 @@ class Stack:
         n = sum(p.name.startswith("worker") for p in self.procs)
         env = {**self.env, **env}
         argv = stack.worker_argv(env.get("GENQ_ENGINE", "hf"))
-        proc = stack.Proc(f"worker{n}", argv, env, self.logs / f"{self.name}-worker{n}.log")
+        proc = stack.Proc(f"worker{n}", argv, env, self.logs / f"{self.name}-worker{n}.log", PRELOADED)
         self.procs.append(proc)
         return proc
 
@@ -301,6 +310,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    PRELOADED.stop()
     left = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
     if left:
         for p in left:
