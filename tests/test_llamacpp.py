@@ -16,7 +16,7 @@ from scripts import ggufmodels, realmodel
 from tasks.config import Settings
 from tasks.schemas import JobSpec, SamplingParams
 from worker.engines.base import GenerationError
-from worker.engines.llamacpp import LlamaCppEngine
+from worker.engines.llamacpp import LlamaCppEngine, _common
 
 QUESTION = "What is the capital of France?"
 # Prompts whose greedy answers have wide margins on both models (copying): llama.cpp's logits
@@ -238,3 +238,27 @@ def test_split_kv_streams_bound_each_job_and_keep_prompts_for_the_next():
         assert together[2].cached_tokens > 10
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("gguf", ["smollm2", "qwen05"], indirect=True)
+def test_the_shared_cache_shares_a_running_jobs_prompt_prefix(engine):
+    """GENQ_LLAMACPP_KV=shared: a job admitted while another runs takes the prefix of its prompt
+    that the running one holds (the chat template's system prompt, "Repeat exactly:") from the
+    running sequence's cells instead of computing it again (usage's cached_tokens), and still
+    answers as alone; a job admitted on an idle engine has nothing to share."""
+    alone = [engine.submit(job(engine, p, max_new_tokens=16)).result(timeout=120) for p in PROMPTS]
+    assert all(a.cached_tokens == 0 for a in alone)  # nothing ran beside them
+    runner = engine.submit(job(engine, "Count from one to a hundred.", max_new_tokens=120, ignore_eos=True))
+    deadline = time.monotonic() + 60
+    while not engine.runner.sids and time.monotonic() < deadline:  # its prompt is in the cache
+        time.sleep(0.01)
+    hits = engine.runner.hits
+    beside = [engine.submit(job(engine, p, max_new_tokens=16)) for p in PROMPTS]
+    beside = [f.result(timeout=120) for f in beside]
+    assert not runner.done() or runner.result().batch_size > 1, "the long job ran alone: nothing overlapped"
+    runner.result(timeout=300)
+    chat_prefix = _common(chat(engine, PROMPTS[0]), chat(engine, "Count from one to a hundred."))
+    assert chat_prefix > 3
+    assert all(b.cached_tokens >= chat_prefix for b in beside), [b.cached_tokens for b in beside]
+    assert engine.runner.hits - hits == sum(b.cached_tokens for b in beside)
+    assert [words(b.text)[:3] for b in beside] == [words(a.text)[:3] for a in alone]

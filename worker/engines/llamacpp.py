@@ -7,7 +7,8 @@ strings, logprobs, penalties, structured output and seeded sampling. Only the fo
 llama.cpp's: each step is one `llama_decode` of a batch holding every running row's next token
 and the admitted jobs' prompts, each row a sequence of llama.cpp's KV cache (GENQ_KV_CACHE_GIB).
 GENQ_LLAMACPP_KV=shared: one pool of cells the sequences share (a job waits while its prompt and
-max_new_tokens would take the rows past it); split: a stream per sequence (a job's context is
+max_new_tokens would take the rows past it), where a job's prompt prefix that a running job holds
+is shared, not computed again; split: a stream per sequence (a job's context is
 its stream), whose tokens stay when its job leaves, for a later job that begins
 with them (llama-server's slot reuse). Why an engine over llama.cpp and not quantized PyTorch
 layers: docs/design.md, "Quantized models: the llamacpp engine".
@@ -104,9 +105,15 @@ class LlamaCpp:
         self.n_batch = min(BATCH, self.cells)
         self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
 
-    def copy(self, src: int, dst: int) -> None:
-        """Sequence `dst` becomes a copy of `src` (its cells; `dst`'s own are dropped)."""
-        self.ll.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+    def copy(self, src: int, dst: int, upto: int) -> None:
+        """Sequence `dst` gets `src`'s first `upto` positions. In the shared cache this tags
+        those cells with `dst` too (nothing is copied: both sequences attend to the same cells
+        until one drops them); across split streams llama.cpp copies `src`'s whole stream at
+        the next decode (`dst`'s own cells are dropped; the caller clears what is past `upto`)."""
+        if self.split:
+            self.ll.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        else:
+            self.ll.llama_memory_seq_cp(self.memory, src, dst, 0, upto)
 
     def clear(self, seq: int, keep: int = 0) -> None:
         """Forget the sequence's cells from position `keep` on (0: all of them)."""
@@ -160,9 +167,10 @@ def _quiet(level, text, user_data):
 class LlamaCppRunner(ModelRunner):
     """The hf runner's step over llama.cpp: row i of the batch is llama.cpp sequence `sids[i]`,
     holding `pos[i]` tokens (`toks[i]`); the sampling, processors and logprobs are the base
-    class's. With a KV stream per sequence (`reuse`), a sequence whose job left keeps its
-    tokens' keys/values (`kept`), and a job admitted later starts from the free stream that
-    holds the longest prefix of its prompt and feeds the rest only (llama-server's slot reuse).
+    class's. A job admitted starts from the longest prefix of its prompt that a source holds
+    and feeds the rest only: with a KV stream per sequence (`reuse`), a sequence whose job left
+    keeps its tokens' keys/values (`kept`) as a source (llama-server's slot reuse); in the
+    shared cache, the running rows are the sources.
     A job takes the lowest free sequence: one llama_decode computes rows of consecutive ids
     together (llama.cpp's `split_equal` over split streams), so the ids in use have few gaps."""
 
@@ -179,22 +187,29 @@ class LlamaCppRunner(ModelRunner):
         self.toks: list[list[int]] = []
         self.free = list(range(seqs))  # a heap: the lowest is taken first
         self.kept: dict[int, list[int]] = {}  # a free sequence's tokens still in its stream
-        self.hits = 0  # prompt tokens taken from kept streams
+        self.hits = 0  # prompt tokens taken from sources
 
-    def _take(self, seq: Seq, fed: list[int]) -> tuple[int, int]:
+    def _take(self, seq: Seq, fed: list[int], active: int) -> tuple[int, int]:
         """The lowest free sequence for `seq`, and how many of `fed`'s first tokens it holds:
-        those of the free stream that holds the longest prefix of them, copied in where it is
-        another (llama.cpp copies a whole stream's buffer, a few MiB, at the next decode)."""
+        the longest prefix of them that a source holds, copied in where it is another sequence.
+        Sources: in split streams, the free streams' kept tokens (llama.cpp copies a whole
+        stream's buffer, a few MiB, at the next decode); in the shared cache, the first
+        `active` rows' sequences, running, whose cells the new one then shares (the chat
+        template's system prompt is computed once for all the jobs that run together)."""
         sid = heapq.heappop(self.free)
         src, have = sid, 0
-        if self.reuse and not self._wants_prompt_logprobs(seq):
-            for other in (sid, *self.free):
-                n = _common(self.kept.get(other, ()), fed)
+        if not self._wants_prompt_logprobs(seq):
+            if self.reuse:
+                sources = [(other, self.kept.get(other, ())) for other in (sid, *self.free)]
+            else:
+                sources = list(zip(self.sids[:active], self.toks[:active]))
+            for other, toks in sources:
+                n = _common(toks, fed)
                 if n > have:
                     src, have = other, n
             have = min(have, len(fed) - 1)  # the last token is fed: its logits are the next's
         if have and src != sid:
-            self.llm.copy(src, sid)
+            self.llm.copy(src, sid, have)
         self.llm.clear(sid, have)
         self.kept.pop(sid, None)
         return sid, have
@@ -210,7 +225,7 @@ class LlamaCppRunner(ModelRunner):
         last, spans = [], {}
         out = active
         for r, (seq, f) in enumerate(zip(admit, fed)):
-            sid, have = self._take(seq, f)
+            sid, have = self._take(seq, f, active)
             new.append(sid)
             skip.append(have)
             if not seq.looked:  # its first prefill: usage's cached_tokens
@@ -245,7 +260,7 @@ class LlamaCppRunner(ModelRunner):
         return decoded, joined
 
     def remember(self, row: int, seq: Seq) -> None:
-        """No prefix cache beyond the streams' (`kept`)."""
+        """No prefix cache beyond the sources' (`_take`)."""
 
     def cached(self, seq: Seq) -> int:
         return 0
