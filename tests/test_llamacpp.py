@@ -116,7 +116,9 @@ def test_stop_strings_and_logprobs(engine):
 
 def test_the_kv_budget_bounds_a_job_and_makes_jobs_wait_their_turn():
     """A KV cache of 256 tokens: a job that cannot fit is refused at once; two jobs that each
-    fit but not together run one after the other, both whole."""
+    fit but not together run one after the other, both whole; the first one's kept cells go
+    to make room for the second (llama_decode would find no room for it otherwise), and the
+    second's stay for a short job with its prompt."""
     path = realmodel.find_gguf()
     eng = LlamaCppEngine(Settings(model=str(path), model_name="s", max_batch_size=4, kv_cache_gib=1e-4))
     try:
@@ -128,6 +130,10 @@ def test_the_kv_budget_bounds_a_job_and_makes_jobs_wait_their_turn():
         results = [f.result(timeout=120) for f in [eng.submit(j) for j in jobs]]
         assert [r.completion_tokens for r in results] == [150, 150]
         assert [r.batch_size for r in results] == [1, 1]
+        assert results[1].cached_tokens == 0  # the first job's cells went: both would not fit
+        again = eng.submit(job(eng, PROMPTS[1], max_new_tokens=8)).result(timeout=120)
+        assert again.cached_tokens == again.prompt_tokens - 1
+        assert words(again.text)[:3] == words(results[1].text)[:3]
     finally:
         eng.close()
 
@@ -242,12 +248,15 @@ def test_split_kv_streams_bound_each_job_and_keep_prompts_for_the_next():
 
 @pytest.mark.parametrize("gguf", ["smollm2", "qwen05"], indirect=True)
 def test_the_shared_cache_shares_a_running_jobs_prompt_prefix(engine):
-    """GENQ_LLAMACPP_KV=shared: a job admitted while another runs takes the prefix of its prompt
-    that the running one holds (the chat template's system prompt, "Repeat exactly:") from the
-    running sequence's cells instead of computing it again (usage's cached_tokens), and still
-    answers as alone; a job admitted on an idle engine has nothing to share."""
+    """GENQ_LLAMACPP_KV=shared: a job takes the prefix of its prompt that a job before it left
+    in the cache, or that a running one holds (the chat template's system prompt, "Repeat
+    exactly:"), from that sequence's cells instead of computing it again (usage's
+    cached_tokens), and still answers as alone."""
     alone = [engine.submit(job(engine, p, max_new_tokens=16)).result(timeout=120) for p in PROMPTS]
-    assert all(a.cached_tokens == 0 for a in alone)  # nothing ran beside them
+    repeat = _common(chat(engine, PROMPTS[0]), chat(engine, PROMPTS[1]))
+    assert all(a.cached_tokens >= repeat for a in alone[1:]), [a.cached_tokens for a in alone]
+    again = engine.submit(job(engine, PROMPTS[2], max_new_tokens=16)).result(timeout=120)
+    assert again.cached_tokens == again.prompt_tokens - 1 and words(again.text) == words(alone[2].text)
     runner = engine.submit(job(engine, "Count from one to a hundred.", max_new_tokens=120, ignore_eos=True))
     deadline = time.monotonic() + 60
     while not engine.runner.sids and time.monotonic() < deadline:  # its prompt is in the cache

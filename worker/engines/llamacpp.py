@@ -7,8 +7,8 @@ strings, logprobs, penalties, structured output and seeded sampling. Only the fo
 llama.cpp's: each step is one `llama_decode` of a batch holding every running row's next token
 and the admitted jobs' prompts, each row a sequence of llama.cpp's KV cache (GENQ_KV_CACHE_GIB).
 GENQ_LLAMACPP_KV=shared: one pool of cells the sequences share (a job waits while its prompt and
-max_new_tokens would take the rows past it), where a job's prompt prefix that a running job holds
-is shared, not computed again; split: a stream per sequence (a job's context is
+max_new_tokens would take the rows past it), where the prompt prefix that a running job holds,
+or one that left, is shared, not computed again; split: a stream per sequence (a job's context is
 its stream), whose tokens stay when its job leaves, for a later job that begins
 with them (llama-server's slot reuse). Why an engine over llama.cpp and not quantized PyTorch
 layers: docs/design.md, "Quantized models: the llamacpp engine".
@@ -167,15 +167,16 @@ def _quiet(level, text, user_data):
 class LlamaCppRunner(ModelRunner):
     """The hf runner's step over llama.cpp: row i of the batch is llama.cpp sequence `sids[i]`,
     holding `pos[i]` tokens (`toks[i]`); the sampling, processors and logprobs are the base
-    class's. A job admitted starts from the longest prefix of its prompt that a source holds
-    and feeds the rest only: with a KV stream per sequence (`reuse`), a sequence whose job left
-    keeps its tokens' keys/values (`kept`) as a source (llama-server's slot reuse); in the
-    shared cache, the running rows are the sources.
+    class's. A sequence whose job left keeps its tokens' keys/values (`kept`), and a job
+    admitted starts from the longest prefix of its prompt that one of them holds, or in the
+    shared cache a running row, and feeds the rest only (llama-server's slot reuse). In the
+    shared cache, kept sequences' cells go, oldest first, where they and the rows' longest
+    would overfill it (the scheduler bounds the rows alone by it).
     A job takes the lowest free sequence: one llama_decode computes rows of consecutive ids
     together (llama.cpp's `split_equal` over split streams), so the ids in use have few gaps."""
 
-    def __init__(self, llm: LlamaCpp, seqs: int, eos: int | None, tok, reuse: bool = False):
-        self.llm, self.eos, self.tok, self.reuse = llm, eos, tok, reuse
+    def __init__(self, llm: LlamaCpp, seqs: int, eos: int | None, tok):
+        self.llm, self.eos, self.tok = llm, eos, tok
         self.device = torch.device("cpu")
         self.prefix = self.scratch = None
         self.chunk_s, self.block = 0.0, 0
@@ -186,28 +187,30 @@ class LlamaCppRunner(ModelRunner):
         self.pos: list[int] = []
         self.toks: list[list[int]] = []
         self.free = list(range(seqs))  # a heap: the lowest is taken first
-        self.kept: dict[int, list[int]] = {}  # a free sequence's tokens still in its stream
+        self.kept: dict[int, list[int]] = {}  # a free sequence's tokens still in the cache, oldest first
         self.hits = 0  # prompt tokens taken from sources
 
     def _take(self, seq: Seq, fed: list[int], active: int) -> tuple[int, int]:
         """The lowest free sequence for `seq`, and how many of `fed`'s first tokens it holds:
         the longest prefix of them that a source holds, copied in where it is another sequence.
-        Sources: in split streams, the free streams' kept tokens (llama.cpp copies a whole
-        stream's buffer, a few MiB, at the next decode); in the shared cache, the first
-        `active` rows' sequences, running, whose cells the new one then shares (the chat
-        template's system prompt is computed once for all the jobs that run together)."""
+        Sources: the free sequences' kept tokens and, in the shared cache, the first `active`
+        rows' sequences, running (the chat template's system prompt is computed once for all
+        the jobs that run together). Across split streams llama.cpp copies a whole stream's
+        buffer, a few MiB, at the next decode; in the shared cache the new sequence shares the
+        source's cells."""
         sid = heapq.heappop(self.free)
         src, have = sid, 0
         if not self._wants_prompt_logprobs(seq):
-            if self.reuse:
-                sources = [(other, self.kept.get(other, ())) for other in (sid, *self.free)]
-            else:
-                sources = list(zip(self.sids[:active], self.toks[:active]))
+            sources = [(other, self.kept[other]) for other in (sid, *self.free) if other in self.kept]
+            if not self.llm.split:
+                sources += zip(self.sids[:active], self.toks[:active])
             for other, toks in sources:
                 n = _common(toks, fed)
                 if n > have:
                     src, have = other, n
             have = min(have, len(fed) - 1)  # the last token is fed: its logits are the next's
+        if src != sid and not self.llm.split:
+            self.llm.clear(sid)  # its own kept cells, at the positions the copy tags
         if have and src != sid:
             self.llm.copy(src, sid, have)
         self.llm.clear(sid, have)
@@ -221,6 +224,7 @@ class LlamaCppRunner(ModelRunner):
         tokens = self.next[:active, 0].tolist() if active else []
         positions, seqs, flags = self.pos[:active], self.sids[:active], [True] * active
         fed = [s.fed for s in admit]
+        self._evict([*running, *admit])
         new, skip = [], []
         last, spans = [], {}
         out = active
@@ -259,6 +263,17 @@ class LlamaCppRunner(ModelRunner):
         joined = self._joined(admit, fed, logits, last, spans, before) if admit else ([], {})
         return decoded, joined
 
+    def _evict(self, rows: list[Seq]) -> None:
+        """Shared cache: kept sequences' cells go, oldest first, while they and these rows'
+        longest would take more cells than it has."""
+        if self.llm.split or not self.kept:
+            return
+        over = sum(s.longest for s in rows) + sum(map(len, self.kept.values())) - self.llm.cells
+        while over > 0 and self.kept:
+            sid = next(iter(self.kept))
+            over -= len(self.kept.pop(sid))
+            self.llm.clear(sid)
+
     def remember(self, row: int, seq: Seq) -> None:
         """No prefix cache beyond the sources' (`_take`)."""
 
@@ -272,10 +287,7 @@ class LlamaCppRunner(ModelRunner):
         kept = set(order)
         for row, sid in enumerate(self.sids):
             if row not in kept:
-                if self.reuse:
-                    self.kept[sid] = self.toks[row]
-                else:
-                    self.llm.clear(sid)
+                self.kept[sid] = self.toks[row]
                 heapq.heappush(self.free, sid)
         self.sids = [self.sids[i] for i in order]
         self.pos = [self.pos[i] for i in order]
@@ -351,7 +363,7 @@ class LlamaCppEngine(HFEngine):
             # which the running rows share: then a job waits while they would overfill it.
             self.max_model_len = min(self.llm.n_ctx_train, self.llm.row_cells)
             self.scheduler.kv_cells = 0 if self.split else self.llm.cells
-            self.runner = LlamaCppRunner(self.llm, rows, None, self.tok, reuse=self.split)
+            self.runner = LlamaCppRunner(self.llm, rows, None, self.tok)
             self.scheduler.rows.follow(self.runner)
             self.output = OutputProcessor(self.tok, None, self.model, self.max_model_len)
             self.eos = self.tok.eos_token_id  # the runner's and the output's
