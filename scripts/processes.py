@@ -94,7 +94,9 @@ class Preloaded:
     those imports: the tests start ~100 workers, and importing torch and transformers is ~4 s
     of each start (docs/benchmarks.md, "`make test` wall time"). Only modules whose import
     reads no setting of ours belong in `modules`: a child gets its own environment after the
-    fork. `stop()` ends the fork server (its children are stopped by their `Proc`)."""
+    fork. The fork server is multiprocessing's, one a process: the first `Preloaded` to start
+    it says what it imports, and `stop()` ends it for every one, waiting for its children
+    (they hold it open), so only once they are all stopped (the test session's end)."""
 
     def __init__(self, modules: list[str]):
         self.modules = modules

@@ -40,6 +40,11 @@ PRELOADED = stack.Preloaded(
 
 
 @pytest.fixture(scope="session")
+def preloaded() -> stack.Preloaded:
+    return PRELOADED
+
+
+@pytest.fixture(scope="session")
 def redis_url():
     url = os.environ.get("REDIS_URL")
     if stack.redis_answers(url):

@@ -7,7 +7,7 @@ import time
 
 print("env", os.environ.get("PROBE_VALUE"), "cwd", os.getcwd(), flush=True)
 print("session leader", os.getsid(0) == os.getpid(), flush=True)
-print("preloaded", "decimal" in sys.modules, "argv", sys.argv[1:], flush=True)
+print("preloaded", "torch" in sys.modules, "argv", sys.argv[1:], flush=True)
 if os.environ.get("PROBE_WAIT"):
     time.sleep(600)
 sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
